@@ -1,0 +1,44 @@
+"""dedupworker: queue and webhook workers that never process the same entity twice at once."""
+
+from .config import WorkerConfig
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    DedupWorkerError,
+    HandlerNotFound,
+    Reject,
+    RetryLater,
+    SchemaMissing,
+    TransportError,
+)
+from .handler import Handler, load_handler
+from .keys import LockKey, lock_key
+from .message import Message
+from .outcomes import Outcome
+from .producer import enqueue
+from .schema import migrate
+from .worker import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "DedupWorkerError",
+    "Handler",
+    "HandlerNotFound",
+    "LockKey",
+    "Message",
+    "Outcome",
+    "Reject",
+    "RetryLater",
+    "SchemaMissing",
+    "TransportError",
+    "Worker",
+    "WorkerConfig",
+    "__version__",
+    "enqueue",
+    "load_handler",
+    "lock_key",
+    "migrate",
+]

@@ -1,0 +1,327 @@
+"""The `dedupworker` command line; every option can also come from a DEDUPWORKER_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__
+from .errors import ConfigurationError, DedupWorkerError
+
+Command = Callable[[argparse.Namespace], int]
+TRUE = {"1", "true", "yes", "on"}
+
+
+def env_name(flag: str) -> str:
+    return "DEDUPWORKER_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """An option whose default comes from DEDUPWORKER_<FLAG>, shown in --help."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    if kwargs.get("action") == "store_true":
+        kwargs["default"] = raw.strip().lower() in TRUE if raw is not None else False
+    elif raw is not None:
+        kwargs["default"] = raw
+    default = kwargs.get("default")
+    shown = "" if default in (None, False, "") or flag == "--dsn" else f", default: {default}"
+    kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}{shown}]"
+    parser.add_argument(flag, **kwargs)
+
+
+def add_dsn(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--dsn", help="PostgreSQL connection string (libpq URL or key=value)")
+
+
+def add_connect_options(parser: argparse.ArgumentParser) -> None:
+    add_dsn(parser)
+    add_option(
+        parser,
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to keep retrying an unreachable database",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dedupworker",
+        description="Queue workers that never process the same entity twice at once.",
+    )
+    parser.add_argument("--version", action="version", version=f"dedupworker {__version__}")
+    add_option(parser, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_option(
+        parser,
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="text for people, json for one object per line",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(sub)
+    _add_migrate(sub)
+    _add_enqueue(sub)
+    _add_locks(sub)
+    _add_dead(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run handlers over a transport",
+        description="Run handlers; each call holds its entity's advisory lock.",
+    )
+    p.add_argument(
+        "handlers",
+        nargs="+",
+        metavar="MODULE:HANDLER",
+        help="handler classes, e.g. myservice.handlers:DeliverWebhook",
+    )
+    add_option(
+        p,
+        "--transport",
+        default="postgres",
+        choices=("postgres", "sqs", "kafka"),
+        help="message source",
+    )
+    add_connect_options(p)
+    add_option(p, "--queue", default="default", help="queue name (sqs: queue URL; kafka: topic)")
+    add_option(
+        p,
+        "--concurrency",
+        type=int,
+        default=4,
+        help="handler threads per handler (each holds one pooled connection)",
+    )
+    add_option(p, "--metrics-port", type=int, help="serve /metrics, /healthz, /readyz")
+    add_option(
+        p, "--drain", action="store_true", help="exit 0 once nothing is ready, delayed or in flight"
+    )
+    add_option(
+        p,
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight handlers get to finish after SIGTERM",
+    )
+    add_option(
+        p,
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        help="seconds between polls when no NOTIFY arrives",
+    )
+    add_option(
+        p,
+        "--pgbouncer",
+        action="store_true",
+        help="connections go through a transaction-mode pooler: "
+        "no prepared statements, no LISTEN (polling only)",
+    )
+    add_option(p, "--stats-file", help="write the final outcome counts as JSON here on exit")
+    p.set_defaults(func=cmd_run)
+
+
+def _add_migrate(sub: Any) -> None:
+    p = sub.add_parser("migrate", help="create or upgrade the queue tables (idempotent)")
+    add_connect_options(p)
+    p.set_defaults(func=cmd_migrate)
+
+
+def _add_enqueue(sub: Any) -> None:
+    p = sub.add_parser("enqueue", help="enqueue JSON lines from stdin, one message per line")
+    add_connect_options(p)
+    add_option(p, "--queue", default="default", help="queue name")
+    add_option(p, "--delay", type=float, default=0.0, help="seconds before the messages run")
+    p.set_defaults(func=cmd_enqueue)
+
+
+def _add_locks(sub: Any) -> None:
+    p = sub.add_parser("locks", help="advisory locks held and awaited, keys decoded")
+    add_connect_options(p)
+    p.add_argument("--namespace", type=int, help="only this lock namespace")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_locks)
+
+
+def _add_dead(sub: Any) -> None:
+    p = sub.add_parser("dead", help="list or requeue dead-lettered jobs")
+    dead = p.add_subparsers(dest="dead_command", metavar="ACTION", required=True)
+    ls = dead.add_parser("list", help="dead jobs with their errors")
+    add_connect_options(ls)
+    ls.add_argument("--queue", help="only this queue")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.set_defaults(func=cmd_dead_list)
+    rq = dead.add_parser("requeue", help="make dead jobs ready again (attempts reset)")
+    add_connect_options(rq)
+    rq.add_argument("--queue", help="only this queue")
+    rq.add_argument("--id", type=int, action="append", dest="ids", help="job id (repeatable)")
+    rq.add_argument("--all", action="store_true", help="every dead job (of --queue if given)")
+    rq.set_defaults(func=cmd_dead_requeue)
+
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser("demo", help="the whole idea on a private PostgreSQL, no setup")
+    add_dsn(p)
+    p.add_argument("--workers", type=int, default=3, help="worker processes")
+    p.add_argument("--concurrency", type=int, default=4, help="handler threads per worker")
+    p.add_argument("--deliveries", type=int, default=300, help="webhook deliveries to enqueue")
+    p.set_defaults(func=cmd_demo)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from .config import WorkerConfig
+
+    return WorkerConfig(
+        dsn=args.dsn or "",
+        queue=args.queue,
+        transport=args.transport,
+        concurrency=args.concurrency,
+        drain=args.drain,
+        shutdown_timeout=args.shutdown_timeout,
+        poll_interval=args.poll_interval,
+        connect_timeout=args.connect_timeout,
+        pgbouncer=args.pgbouncer,
+        metrics_port=args.metrics_port,
+        stats_file=args.stats_file,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .handler import load_handler
+    from .worker import Worker
+
+    config = _config(args)
+    handlers = [load_handler(path) for path in args.handlers]
+    return Worker(handlers, config).run()
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    from .db import connect
+
+    if not args.dsn:
+        raise ConfigurationError("no database given: pass --dsn or set DEDUPWORKER_DSN")
+    return connect(args.dsn, args.connect_timeout, application_name="dedupworker-cli")
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from .schema import migrate
+
+    with _connect(args) as conn:
+        done = migrate(conn)
+    print(f"applied migrations {done}" if done else "schema is up to date")
+    return 0
+
+
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    from .producer import enqueue
+    from .schema import check_schema
+
+    bodies = []
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        line = raw.rstrip(b"\r\n")
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except ValueError as exc:
+            # Enqueued anyway: the worker dead-letters it with a reason, nothing is dropped.
+            print(
+                f"warning: line {number} is not valid JSON ({exc}); enqueued as is", file=sys.stderr
+            )
+        bodies.append(line)
+    with _connect(args) as conn:
+        check_schema(conn)
+        ids = enqueue(conn, args.queue, bodies, delay=args.delay)
+    print(f"enqueued {len(ids)} message(s) on queue {args.queue!r}")
+    return 0
+
+
+def cmd_locks(args: argparse.Namespace) -> int:
+    from .locks import advisory_locks, format_table
+
+    with _connect(args) as conn:
+        rows = advisory_locks(conn, args.namespace)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row.as_dict()))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def cmd_dead_list(args: argparse.Namespace) -> int:
+    from . import sql
+    from .schema import check_schema
+
+    with _connect(args) as conn:
+        check_schema(conn)
+        rows = conn.execute(sql.LIST_DEAD, (200, args.queue, args.queue, args.limit)).fetchall()
+    keys = ("id", "queue", "attempts", "contentions", "dead_at", "error", "body")
+    for row in rows:
+        item = dict(zip(keys, row, strict=True))
+        if args.json:
+            print(json.dumps(item, default=str))
+        else:
+            print(
+                f"#{item['id']} [{item['queue']}] {item['dead_at']:%Y-%m-%d %H:%M:%S} "
+                f"attempts={item['attempts']}: {item['error']}\n    body: {item['body']}"
+            )
+    if not rows and not args.json:
+        print("no dead jobs")
+    return 0
+
+
+def cmd_dead_requeue(args: argparse.Namespace) -> int:
+    from . import sql
+    from .schema import check_schema
+
+    if not args.ids and not args.all:
+        raise ConfigurationError("say which dead jobs to requeue: --id N (repeatable) or --all")
+    with _connect(args) as conn, conn.transaction():
+        check_schema(conn)
+        rows = conn.execute(
+            sql.REQUEUE_DEAD, (args.queue, args.queue, args.ids, args.ids)
+        ).fetchall()
+        for queue in {row[0] for row in rows}:
+            conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
+    print(f"requeued {len(rows)} dead job(s)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.dsn, args.workers, args.concurrency, args.deliveries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .logs import setup_logging
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    func: Command = args.func
+    try:
+        return func(args)
+    except ConfigurationError as exc:
+        print(f"dedupworker: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except DedupWorkerError as exc:
+        print(f"dedupworker: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

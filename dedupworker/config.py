@@ -1,0 +1,37 @@
+"""Worker settings, validated in one place (the CLI fills them from flags and DEDUPWORKER_*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    dsn: str
+    queue: str = "default"
+    transport: str = "postgres"
+    concurrency: int = 4
+    drain: bool = False
+    shutdown_timeout: float = 30.0
+    poll_interval: float = 1.0
+    connect_timeout: float = 30.0
+    pgbouncer: bool = False
+    metrics_port: int | None = None
+    stats_file: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.dsn:
+            raise ConfigurationError("no database given: pass --dsn or set DEDUPWORKER_DSN")
+        if not self.queue:
+            raise ConfigurationError("no queue given: pass --queue or set DEDUPWORKER_QUEUE")
+        if self.concurrency < 1:
+            raise ConfigurationError(f"--concurrency must be >= 1, got {self.concurrency}")
+        for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigurationError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigurationError(f"--metrics-port must be 0..65535, got {self.metrics_port}")

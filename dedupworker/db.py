@@ -1,0 +1,81 @@
+"""Connections: a DSN that never leaks its password, connecting with retries, the pool."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+import tenacity
+from psycopg_pool import ConnectionPool
+
+from .errors import DatabaseUnavailable
+
+log = logging.getLogger("dedupworker")
+
+
+def describe_dsn(dsn: str) -> str:
+    """`user@host:port/dbname`, without the password, for messages and logs."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparseable DSN>"
+    host = params.get("host") or "localhost"
+    port = params.get("port") or "5432"
+    user = params.get("user") or "?"
+    return f"{user}@{host}:{port}/{params.get('dbname') or user}"
+
+
+def connection_kwargs(pgbouncer: bool, application_name: str) -> dict[str, Any]:
+    # A transaction-mode PgBouncer cannot keep prepared statements across transactions.
+    kwargs: dict[str, Any] = {"application_name": application_name}
+    if pgbouncer:
+        kwargs["prepare_threshold"] = None
+    return kwargs
+
+
+def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
+    """Connect, retrying with backoff for up to `timeout` seconds; then a clear error."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(psycopg.OperationalError),
+        wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+        stop=tenacity.stop_after_delay(timeout),
+        before_sleep=lambda state: log.warning(
+            "database %s unreachable (%s); retrying", describe_dsn(dsn), _last_error(state)
+        ),
+        reraise=True,
+    )
+    try:
+        conn: psycopg.Connection[Any] = retrying(
+            psycopg.connect, dsn, connect_timeout=max(1, int(min(timeout, 10))), **kwargs
+        )
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {describe_dsn(dsn)} after {timeout:g} s: "
+            f"{_first_line(exc)}. Check --dsn / DEDUPWORKER_DSN and that the server is running."
+        ) from None
+    except psycopg.ProgrammingError as exc:
+        raise DatabaseUnavailable(f"invalid DSN {describe_dsn(dsn)}: {_first_line(exc)}") from None
+    return conn
+
+
+def open_pool(
+    dsn: str, size: int, timeout: float, *, pgbouncer: bool = False, name: str = "dedupworker"
+) -> ConnectionPool[Any]:
+    """A fixed-size pool, opened only after one connection proved the database reachable."""
+    kwargs = connection_kwargs(pgbouncer, name)
+    connect(dsn, timeout, **kwargs).close()
+    pool: ConnectionPool[Any] = ConnectionPool(
+        dsn, min_size=size, max_size=size, kwargs=kwargs, open=False, name=name, timeout=timeout
+    )
+    pool.open(wait=True, timeout=timeout)
+    return pool
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _last_error(state: tenacity.RetryCallState) -> str:
+    exc = state.outcome.exception() if state.outcome else None
+    return _first_line(exc) if exc else "unknown error"

@@ -1,0 +1,137 @@
+"""The Handler base class that users subclass, and loading one from `module:Class`."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from typing import Any, ClassVar
+
+import psycopg
+import tenacity
+from tenacity.wait import wait_base
+
+from .errors import ConfigurationError, HandlerNotFound
+from .keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
+from .message import Message
+
+
+class Handler:
+    """Subclass me: set `lock_namespace`, implement `entity_id` and `handle`.
+
+    `handle` runs inside the transaction that holds the advisory lock for
+    `(lock_namespace, entity_id(message))`; return to succeed (commit, ack), raise to fail
+    (rollback, retry with `retry_backoff`, dead-letter after `max_attempts`). Raise
+    `RetryLater` to ask for a later retry, `Reject` to dead-letter a poison message at once.
+    """
+
+    lock_namespace: ClassVar[int]
+    lock_key_mode: ClassVar[KeyMode] = "int4"
+    max_attempts: ClassVar[int] = 5
+    retry_backoff: ClassVar[wait_base] = tenacity.wait_exponential_jitter(initial=1.0, max=300.0)
+    # Contention is not failure: its own backoff and budget, never counted in max_attempts.
+    contention_backoff: ClassVar[wait_base] = tenacity.wait_exponential_jitter(
+        initial=0.05, max=5.0
+    )
+    contention_budget: ClassVar[int | None] = 1000
+
+    @property
+    def name(self) -> str:
+        """The label this handler carries in metrics and logs."""
+        return type(self).__name__
+
+    def entity_id(self, message: Message) -> int | str:
+        """The entity this message touches; messages of one entity never run at once."""
+        raise NotImplementedError(f"{type(self).__name__}.entity_id() is not implemented")
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        """Do the work, inside the locked transaction on `conn`."""
+        raise NotImplementedError(f"{type(self).__name__}.handle() is not implemented")
+
+    def retry_delay(self, attempt: int) -> float:
+        """Seconds to wait before delivery number `attempt + 1` after a failure."""
+        return backoff_seconds(self.retry_backoff, attempt)
+
+    def contention_delay(self, contentions: int) -> float:
+        """Seconds to wait after the message met a held lock `contentions` times."""
+        return backoff_seconds(self.contention_backoff, contentions)
+
+
+_RETRYING = tenacity.Retrying()
+
+
+def backoff_seconds(wait: wait_base, attempt: int) -> float:
+    """Evaluate a tenacity wait strategy for the given (1-based) attempt number."""
+    state = tenacity.RetryCallState(_RETRYING, None, (), {})
+    state.attempt_number = max(1, attempt)
+    return max(0.0, float(wait(state)))
+
+
+def validate_handler(handler: Handler) -> None:
+    """Refuse a handler whose settings cannot work, naming the setting and the fix."""
+    cls = type(handler)
+    namespace = getattr(cls, "lock_namespace", None)
+    if namespace is None:
+        raise ConfigurationError(f"{cls.__name__}.lock_namespace is not set: give it an int4")
+    if not is_int(namespace) or not INT4_MIN <= namespace <= INT4_MAX:
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_namespace = {namespace!r} is not an int4 "
+            f"(an integer from {INT4_MIN} to {INT4_MAX})"
+        )
+    if cls.lock_key_mode not in KEY_MODES:
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_key_mode = {cls.lock_key_mode!r}; use one of {KEY_MODES}"
+        )
+    if not is_int(cls.max_attempts) or cls.max_attempts < 1:
+        raise ConfigurationError(f"{cls.__name__}.max_attempts must be an int >= 1")
+    budget = cls.contention_budget
+    if budget is not None and (not is_int(budget) or budget < 1):
+        raise ConfigurationError(f"{cls.__name__}.contention_budget must be None or an int >= 1")
+    for method in ("entity_id", "handle"):
+        if getattr(cls, method) is getattr(Handler, method):
+            raise ConfigurationError(f"{cls.__name__} must implement {method}()")
+
+
+_EXAMPLE = "dedupworker run myservice.handlers:DeliverWebhook"
+
+
+def load_handler(path: str) -> Handler:
+    """Import `package.module:HandlerClass`, instantiate it and validate its settings."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerNotFound(f"{path!r} is not of the form module:Class, e.g. `{_EXAMPLE}`")
+    module = _import(module_name, path)
+    obj = getattr(module, attr, None)
+    if obj is None:
+        found = sorted(
+            name
+            for name, value in vars(module).items()
+            if inspect.isclass(value) and issubclass(value, Handler) and value is not Handler
+        )
+        hint = f"; handlers found there: {', '.join(found)}" if found else ""
+        raise HandlerNotFound(f"module {module_name!r} has no attribute {attr!r}{hint}")
+    if not (inspect.isclass(obj) and issubclass(obj, Handler)):
+        raise HandlerNotFound(f"{path!r} is not a subclass of dedupworker.Handler")
+    handler = obj()
+    validate_handler(handler)
+    return handler
+
+
+def _import(module_name: str, path: str) -> Any:
+    # Like `python -m`, let handlers live in the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise HandlerNotFound(
+                f"cannot import module {module_name!r} for {path!r}: run from the directory "
+                f"that contains it or install its package (e.g. `{_EXAMPLE}`)"
+            ) from exc
+        raise HandlerNotFound(f"importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise HandlerNotFound(
+            f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,91 @@
+"""Advisory-lock keys: how an entity becomes the arguments of `pg_try_advisory_xact_lock`.
+
+Two modes, chosen per handler with `Handler.lock_key_mode`:
+
+- ``"int4"`` (default): the two-key form ``(namespace, key)``. An ``int`` entity that fits int4
+  is the key itself; anything else is hashed by PostgreSQL with ``hashtext(text)`` in the same
+  statement, so other SQL takes the very same lock with ``pg_advisory_xact_lock(30, 8675309)``
+  or ``pg_advisory_xact_lock(30, hashtext('inv-17'))``. Two entities may share a 32-bit hash:
+  that costs waiting, never correctness.
+- ``"hash64"``: the one-key bigint form ``hashtextextended(text, namespace)``; SQL takes it with
+  ``pg_advisory_xact_lock(hashtextextended('inv-17', 30))``. Collisions are out of the picture
+  (64 bits) at the price of keys that no longer read as ``(namespace, id)`` in ``pg_locks``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+INT4_MIN = -(2**31)
+INT4_MAX = 2**31 - 1
+KeyMode = Literal["int4", "hash64"]
+KEY_MODES: tuple[KeyMode, ...] = ("int4", "hash64")
+
+_LOCK_INT4 = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"
+_LOCK_HASHTEXT = "SELECT pg_try_advisory_xact_lock(%s::int4, hashtext(%s::text))"
+_LOCK_HASH64 = "SELECT pg_try_advisory_xact_lock(hashtextextended(%s::text, %s::int4))"
+
+
+class InvalidEntity(ValueError):
+    """An entity id that cannot become a lock key."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockKey:
+    """A ready-to-run lock statement for one entity of one namespace."""
+
+    namespace: int
+    entity: int | str
+    sql: str
+    params: tuple[int | str, ...]
+
+    def describe(self) -> str:
+        return f"{self.namespace}:{self.entity}"
+
+
+def fits_int4(value: int) -> bool:
+    return INT4_MIN <= value <= INT4_MAX
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def normalize_entity(entity: object) -> int | str:
+    """Accept int, str and UUID entities; refuse the rest with a reason."""
+    if is_int(entity):
+        return entity  # type: ignore[return-value]
+    if isinstance(entity, uuid.UUID):
+        return str(entity)
+    if isinstance(entity, str):
+        if "\x00" in entity:
+            raise InvalidEntity("entity id contains a NUL character, which PostgreSQL text refuses")
+        return entity
+    raise InvalidEntity(
+        f"entity_id() returned {type(entity).__name__} {entity!r}; return an int or a str"
+    )
+
+
+def lock_key(namespace: int, entity: object, mode: KeyMode = "int4") -> LockKey:
+    """Build the lock statement for `entity`; raises InvalidEntity for unusable ids."""
+    value = normalize_entity(entity)
+    if mode == "hash64":
+        return LockKey(namespace, value, _LOCK_HASH64, (str(value), namespace))
+    if isinstance(value, int) and fits_int4(value):
+        return LockKey(namespace, value, _LOCK_INT4, (namespace, value))
+    return LockKey(namespace, value, _LOCK_HASHTEXT, (namespace, str(value)))
+
+
+def signed_int4(oid: int) -> int:
+    """pg_locks shows int4 keys as unsigned oids; give the signed value back."""
+    return oid - 2**32 if oid > INT4_MAX else oid
+
+
+def decode_pg_locks_key(classid: int, objid: int, objsubid: int) -> tuple[int | None, int]:
+    """(namespace, key) from a pg_locks advisory row; namespace None for one-bigint keys."""
+    if objsubid == 2:
+        return signed_int4(classid), signed_int4(objid)
+    bigint = (classid << 32) | objid
+    return None, bigint - 2**64 if bigint >= 2**63 else bigint

@@ -1,0 +1,31 @@
+"""The message a handler receives, whatever transport carried it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One delivery of one message.
+
+    `id` is the transport's id (job id, SQS MessageId, Kafka topic/partition/offset),
+    `attempt` is 1 on the first delivery and grows with every failed attempt (contention
+    does not count), `headers` are the transport's headers or attributes as strings.
+    """
+
+    id: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    attempt: int = 1
+    transport: str = ""
+
+    def json(self) -> Any:
+        """The body parsed as JSON (UTF-8). Raises ValueError when it is not JSON."""
+        return json.loads(self.body)
+
+    def text(self) -> str:
+        """The body decoded as UTF-8. Raises UnicodeDecodeError when it is not."""
+        return self.body.decode("utf-8")

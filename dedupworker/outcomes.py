@@ -1,0 +1,94 @@
+"""The one place that decides what happens to a message, and how a transport carries it out."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import Reject, RetryLater
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from .handler import Handler
+    from .transport import Delivery, Transport
+
+
+class Outcome(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    CONTENDED = "contended"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    delay: float = 0.0
+    reason: str = ""
+
+
+SUCCEEDED = Verdict(Outcome.SUCCEEDED)
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def on_bad_entity(exc: Exception) -> Verdict:
+    """entity_id() raised or returned something unusable: the body is malformed."""
+    return Verdict(
+        Outcome.DEAD_LETTERED,
+        reason=f"entity_id() failed, the message is malformed: {describe_error(exc)}",
+    )
+
+
+def on_contended(handler: Handler, delivery: Delivery) -> Verdict:
+    """Another worker holds the entity: wait and try again, apart from max_attempts."""
+    contentions = delivery.contentions + 1
+    budget = handler.contention_budget
+    if budget is not None and contentions > budget:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"entity stayed locked through {budget} tries (contention_budget); "
+            "find the holder with `dedupworker locks`",
+        )
+    return Verdict(Outcome.CONTENDED, delay=handler.contention_delay(contentions))
+
+
+def on_failure(handler: Handler, delivery: Delivery, exc: Exception) -> Verdict:
+    """handle() raised: rejected messages die now, others retry until max_attempts."""
+    attempt = delivery.message.attempt
+    if isinstance(exc, Reject):
+        return Verdict(Outcome.DEAD_LETTERED, reason=f"rejected: {exc.reason}")
+    reason = exc.reason if isinstance(exc, RetryLater) else describe_error(exc)
+    if attempt >= handler.max_attempts:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"failed {attempt} of max_attempts={handler.max_attempts}: {reason}",
+        )
+    delay = exc.delay if isinstance(exc, RetryLater) and exc.delay is not None else None
+    if delay is None:
+        delay = handler.retry_delay(attempt)
+    return Verdict(Outcome.RETRIED, delay=delay, reason=reason)
+
+
+def carry_out(
+    transport: Transport,
+    delivery: Delivery,
+    verdict: Verdict,
+    conn: psycopg.Connection[Any] | None,
+) -> None:
+    """Hand the verdict to the transport's ack / requeue / dead-letter."""
+    match verdict.outcome:
+        case Outcome.SUCCEEDED | Outcome.DUPLICATE:
+            transport.ack(delivery, conn)
+        case Outcome.CONTENDED:
+            transport.requeue(delivery, verdict.delay, conn, contended=True)
+        case Outcome.RETRIED:
+            transport.requeue(delivery, verdict.delay, conn, contended=False, error=verdict.reason)
+        case Outcome.DEAD_LETTERED:
+            transport.dead_letter(delivery, verdict.reason, conn)

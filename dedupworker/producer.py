@@ -1,0 +1,62 @@
+"""Putting messages on the postgres queue from Python (batch insert + NOTIFY)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from . import sql
+
+Body = bytes | str | Mapping[str, Any] | list[Any]
+BATCH_SIZE = 1000
+
+
+def encode_body(body: Body) -> bytes:
+    """bytes as they are, str as UTF-8, anything else as JSON."""
+    if isinstance(body, bytes):
+        return body
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    queue: str,
+    bodies: Iterable[Body],
+    *,
+    headers: Mapping[str, str] | None = None,
+    delay: float = 0.0,
+) -> list[int]:
+    """Insert messages into `queue` and wake its workers; returns the job ids.
+
+    Runs in the connection's current transaction when one is open, so a producer can
+    enqueue atomically with its own writes; otherwise in a transaction of its own.
+    """
+    if not queue:
+        raise ValueError("queue must be a non-empty string")
+    header_value = Jsonb(dict(headers or {}))
+    ids: list[int] = []
+    with conn.transaction():
+        batch: list[bytes] = []
+        for body in bodies:
+            batch.append(encode_body(body))
+            if len(batch) >= BATCH_SIZE:
+                ids += _insert(conn, queue, batch, header_value, delay)
+                batch = []
+        if batch:
+            ids += _insert(conn, queue, batch, header_value, delay)
+        if ids:
+            conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
+    return ids
+
+
+def _insert(
+    conn: psycopg.Connection[Any], queue: str, batch: list[bytes], headers: Jsonb, delay: float
+) -> list[int]:
+    rows = conn.execute(sql.ENQUEUE, (queue, delay, batch, [headers] * len(batch))).fetchall()
+    return [row[0] for row in rows]

@@ -1,0 +1,68 @@
+"""Versioned schema migrations, serialized by a blocking advisory lock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from .errors import SchemaMissing
+
+# dedupworker's own advisory-lock namespace ("ddwk"); keep handler namespaces clear of it.
+INTERNAL_NAMESPACE = 0x6464776B
+MIGRATION_LOCK_KEY = 1
+
+_JOBS = """
+CREATE TABLE dedupworker.jobs (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue       text        NOT NULL,
+    body        bytea       NOT NULL,
+    headers     jsonb       NOT NULL DEFAULT '{}',
+    status      text        NOT NULL DEFAULT 'ready' CHECK (status IN ('ready', 'dead')),
+    attempts    integer     NOT NULL DEFAULT 0,
+    contentions integer     NOT NULL DEFAULT 0,
+    run_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_error  text,
+    dead_at     timestamptz
+);
+CREATE INDEX jobs_ready_idx ON dedupworker.jobs (queue, run_at, id) WHERE status = 'ready';
+CREATE INDEX jobs_dead_idx ON dedupworker.jobs (queue, dead_at) WHERE status = 'dead';
+COMMENT ON COLUMN dedupworker.jobs.attempts IS 'failed attempts so far (contention excluded)';
+"""
+
+MIGRATIONS: tuple[tuple[int, str, str], ...] = ((1, "jobs table", _JOBS),)
+
+
+def migrate(conn: psycopg.Connection[Any]) -> list[int]:
+    """Apply pending migrations in one transaction; concurrent runs wait for each other."""
+    with conn.transaction():
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, %s)", (INTERNAL_NAMESPACE, MIGRATION_LOCK_KEY)
+        )
+        conn.execute("CREATE SCHEMA IF NOT EXISTS dedupworker")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS dedupworker.schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+        rows = conn.execute("SELECT version FROM dedupworker.schema_migrations").fetchall()
+        applied = {row[0] for row in rows}
+        done = []
+        for version, name, statements in MIGRATIONS:
+            if version in applied:
+                continue
+            conn.execute(statements.encode())
+            conn.execute(
+                "INSERT INTO dedupworker.schema_migrations (version, name) VALUES (%s, %s)",
+                (version, name),
+            )
+            done.append(version)
+    return done
+
+
+def check_schema(conn: psycopg.Connection[Any]) -> None:
+    """Fail early, and say how to fix it, when `dedupworker migrate` has not run."""
+    row = conn.execute("SELECT to_regclass('dedupworker.jobs') IS NOT NULL").fetchone()
+    if not (row and row[0]):
+        raise SchemaMissing()

@@ -1,0 +1,87 @@
+"""Every SQL statement of the postgres queue, in one place."""
+
+from __future__ import annotations
+
+NOTIFY_CHANNEL = "dedupworker_jobs"
+
+CLAIM = """
+SELECT id, body, headers, attempts, contentions
+FROM dedupworker.jobs
+WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+ORDER BY run_at, id
+LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
+
+ACK = "DELETE FROM dedupworker.jobs WHERE id = %s"
+
+REQUEUE_CONTENDED = """
+UPDATE dedupworker.jobs
+SET run_at = clock_timestamp() + make_interval(secs => %s), contentions = contentions + 1
+WHERE id = %s
+"""
+
+REQUEUE_FAILED = """
+UPDATE dedupworker.jobs
+SET run_at = clock_timestamp() + make_interval(secs => %s), attempts = attempts + 1,
+    last_error = %s
+WHERE id = %s
+"""
+
+DEAD_LETTER = """
+UPDATE dedupworker.jobs
+SET status = 'dead', attempts = attempts + 1, last_error = %s, dead_at = clock_timestamp()
+WHERE id = %s
+"""
+
+SECONDS_UNTIL_NEXT = """
+SELECT greatest(0, extract(epoch FROM min(run_at) - clock_timestamp()))::float8
+FROM dedupworker.jobs
+WHERE queue = %s AND status = 'ready'
+"""
+
+COUNT_READY = "SELECT count(*) FROM dedupworker.jobs WHERE queue = %s AND status = 'ready'"
+
+ENQUEUE = """
+INSERT INTO dedupworker.jobs (queue, body, headers, run_at)
+SELECT %s, b, h, clock_timestamp() + make_interval(secs => %s)
+FROM unnest(%s::bytea[], %s::jsonb[]) AS t(b, h)
+RETURNING id
+"""
+
+NOTIFY = "SELECT pg_notify(%s, %s)"
+
+LIST_DEAD = """
+SELECT id, queue, attempts, contentions, dead_at, last_error, left(convert_from(body, 'UTF8'), %s)
+FROM dedupworker.jobs
+WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
+ORDER BY dead_at, id
+LIMIT %s
+"""
+
+REQUEUE_DEAD = """
+UPDATE dedupworker.jobs
+SET status = 'ready', attempts = 0, contentions = 0, run_at = clock_timestamp(), dead_at = NULL
+WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
+  AND (%s::bigint[] IS NULL OR id = ANY(%s))
+RETURNING queue
+"""
+
+QUEUE_COUNTS = """
+SELECT queue, status, count(*), min(run_at)
+FROM dedupworker.jobs
+GROUP BY queue, status
+ORDER BY queue, status
+"""
+
+ADVISORY_LOCKS = """
+SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, l.granted, l.pid,
+       coalesce(a.application_name, ''), coalesce(a.state, ''),
+       extract(epoch FROM clock_timestamp() - a.xact_start)::float8,
+       coalesce(left(regexp_replace(a.query, '\\s+', ' ', 'g'), 80), '')
+FROM pg_locks l
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid
+"""

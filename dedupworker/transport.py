@@ -1,0 +1,86 @@
+"""The seam between the runner and a message source, and loading transports by name."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import ConfigurationError, TransportError
+from .message import Message
+
+if TYPE_CHECKING:
+    import threading
+
+    import psycopg
+
+    from .config import WorkerConfig
+
+
+@dataclass(slots=True)
+class Delivery:
+    """A message as received, with what its transport needs to settle it."""
+
+    message: Message
+    contentions: int = 0
+    receipt: Any = None
+
+
+class Transport(Protocol):
+    """What a message source does for the worker; the worker decides, the transport obeys.
+
+    When `settles_in_transaction` is true (the postgres queue), `receive` claims inside the
+    transaction that also takes the entity lock, and the settling calls run in it before
+    commit; otherwise `conn` is None and settling happens after the transaction committed.
+    """
+
+    name: str
+    settles_in_transaction: bool
+
+    def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None: ...
+
+    def ack(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None: ...
+
+    def requeue(
+        self,
+        delivery: Delivery,
+        delay: float,
+        conn: psycopg.Connection[Any] | None,
+        *,
+        contended: bool,
+        error: str = "",
+    ) -> None: ...
+
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: psycopg.Connection[Any] | None
+    ) -> None: ...
+
+    def wait_for_work(self, stop: threading.Event, timeout: float) -> None: ...
+
+    def is_drained(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+# Transports load lazily by name so that the core never imports boto3 or confluent_kafka.
+TRANSPORTS = {
+    "postgres": ("dedupworker.transports.postgres", "PostgresTransport", None),
+    "sqs": ("dedupworker.transports.sqs", "SqsTransport", "sqs"),
+    "kafka": ("dedupworker.transports.kafka", "KafkaTransport", "kafka"),
+}
+
+
+def load_transport(name: str, config: WorkerConfig, pool: Any) -> Transport:
+    try:
+        module_name, class_name, extra = TRANSPORTS[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}"
+        ) from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f"; install it with `pip install 'dedupworker[{extra}]'`" if extra else ""
+        raise TransportError(f"transport {name!r} cannot be loaded: {exc}{hint}") from exc
+    transport: Transport = getattr(module, class_name)(config, pool)
+    return transport

@@ -1,0 +1,1 @@
+"""Transports, each loaded by name only when chosen (see dedupworker.transport.TRANSPORTS)."""

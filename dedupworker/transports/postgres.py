@@ -1,0 +1,123 @@
+"""The postgres queue: jobs claimed with FOR UPDATE SKIP LOCKED in the locked transaction."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from .. import sql
+from ..config import WorkerConfig
+from ..db import connection_kwargs
+from ..message import Message
+from ..schema import check_schema
+from ..transport import Delivery
+
+log = logging.getLogger("dedupworker")
+
+
+class PostgresTransport:
+    name = "postgres"
+    settles_in_transaction = True
+
+    def __init__(self, config: WorkerConfig, pool: ConnectionPool[Any]) -> None:
+        self.config = config
+        self.queue = config.queue
+        self.pool = pool
+        with pool.connection() as conn:
+            check_schema(conn)
+        self._wakeup = threading.Condition()
+        self._closed = threading.Event()
+        self._listener: threading.Thread | None = None
+        if not config.pgbouncer:
+            # A transaction pooler accepts LISTEN and never delivers: poll only behind one.
+            self._listener = threading.Thread(
+                target=self._listen, name=f"dedupworker-listen-{self.queue}", daemon=True
+            )
+            self._listener.start()
+
+    def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
+        assert conn is not None, "the postgres transport claims inside the locked transaction"
+        row = conn.execute(sql.CLAIM, (self.queue,)).fetchone()
+        if row is None:
+            return None
+        job_id, body, headers, attempts, contentions = row
+        message = Message(
+            id=str(job_id),
+            body=bytes(body),
+            headers={str(k): str(v) for k, v in (headers or {}).items()},
+            attempt=attempts + 1,
+            transport=self.name,
+        )
+        return Delivery(message, contentions=contentions, receipt=job_id)
+
+    def ack(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
+        _require(conn).execute(sql.ACK, (delivery.receipt,))
+
+    def requeue(
+        self,
+        delivery: Delivery,
+        delay: float,
+        conn: psycopg.Connection[Any] | None,
+        *,
+        contended: bool,
+        error: str = "",
+    ) -> None:
+        if contended:
+            _require(conn).execute(sql.REQUEUE_CONTENDED, (delay, delivery.receipt))
+        else:
+            _require(conn).execute(sql.REQUEUE_FAILED, (delay, error, delivery.receipt))
+
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: psycopg.Connection[Any] | None
+    ) -> None:
+        _require(conn).execute(sql.DEAD_LETTER, (reason, delivery.receipt))
+
+    def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
+        """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout`."""
+        with self.pool.connection() as conn:
+            row = conn.execute(sql.SECONDS_UNTIL_NEXT, (self.queue,)).fetchone()
+        due = row[0] if row and row[0] is not None else None
+        wait = timeout if due is None else min(timeout, due)
+        if wait <= 0 or stop.is_set():
+            return
+        with self._wakeup:
+            self._wakeup.wait(wait)
+
+    def wake_all(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def is_drained(self) -> bool:
+        """Nothing ready, delayed or in flight (claimed rows exist until their commit)."""
+        with self.pool.connection() as conn:
+            row = conn.execute(sql.COUNT_READY, (self.queue,)).fetchone()
+        return bool(row and row[0] == 0)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.wake_all()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+
+    def _listen(self) -> None:
+        kwargs = connection_kwargs(False, f"dedupworker-listen:{self.queue}")
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(self.config.dsn, autocommit=True, **kwargs) as conn:
+                    conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
+                    while not self._closed.is_set():
+                        for notify in conn.notifies(timeout=1.0):
+                            if notify.payload == self.queue:
+                                self.wake_all()
+            except psycopg.Error as exc:
+                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                self._closed.wait(self.config.poll_interval)
+
+
+def _require(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+    assert conn is not None, "the postgres transport settles inside the locked transaction"
+    return conn

@@ -1,0 +1,207 @@
+"""The worker process: handler threads over a connection pool, drain and graceful shutdown."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from types import FrameType
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+
+from .config import WorkerConfig
+from .db import open_pool
+from .errors import ConfigurationError
+from .handler import Handler
+from .http import serve
+from .runner import Runner
+from .transport import load_transport
+
+log = logging.getLogger("dedupworker")
+
+ERROR_BACKOFF_MAX = 10.0
+
+
+class Worker:
+    """Runs each handler on `concurrency` threads until stopped (or drained)."""
+
+    def __init__(self, handlers: list[Handler], config: WorkerConfig) -> None:
+        if not handlers:
+            raise ConfigurationError("no handler given: name one as module:Class")
+        self.handlers = handlers
+        self.config = config
+        self.stop_event = threading.Event()
+        self.runners: list[Runner] = []
+        self.started = time.monotonic()
+        self.last_progress = time.monotonic()
+        self._pool: ConnectionPool[Any] | None = None
+        self._threads: list[threading.Thread] = []
+        self.http: ThreadingHTTPServer | None = None
+
+    def queue_for(self, handler: Handler) -> str:
+        queue = getattr(handler, "queue", None)
+        if len(self.handlers) > 1 and not queue:
+            raise ConfigurationError(
+                f"several handlers in one worker need a queue each: set {handler.name}.queue"
+            )
+        return str(queue or self.config.queue)
+
+    def setup(self) -> None:
+        size = self.config.concurrency * len(self.handlers)
+        self._pool = open_pool(
+            self.config.dsn,
+            size,
+            self.config.connect_timeout,
+            pgbouncer=self.config.pgbouncer,
+            name="dedupworker:" + ",".join(h.name for h in self.handlers),
+        )
+        for handler in self.handlers:
+            config = dataclasses.replace(self.config, queue=self.queue_for(handler))
+            transport = load_transport(config.transport, config, self._pool)
+            self.runners.append(Runner(handler, transport, self._pool))
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or until drained with --drain); returns the exit code."""
+        self.setup()
+        if self.config.metrics_port is not None:
+            self.http = serve(self.config.metrics_port, self.is_healthy, self.is_ready)
+        with _on_stop(self.stop):
+            threads = [
+                threading.Thread(
+                    target=self._loop, args=(runner,), name=f"{runner.handler.name}-{i}"
+                )
+                for runner in self.runners
+                for i in range(self.config.concurrency)
+            ]
+            self._threads = threads
+            for thread in threads:
+                thread.daemon = True
+                thread.start()
+            while any(t.is_alive() for t in threads) and not self.stop_event.wait(0.2):
+                pass
+            abandoned = self._join(threads)
+        self.close(wait=not abandoned)
+        self._report()
+        return 1 if abandoned else 0
+
+    def is_healthy(self) -> bool:
+        return self.stop_event.is_set() or all(t.is_alive() for t in self._threads)
+
+    def is_ready(self) -> bool:
+        if self._pool is None:
+            return False
+        with self._pool.connection(timeout=2.0) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+    def stop(self) -> None:
+        if not self.stop_event.is_set():
+            log.info(
+                "stopping: finishing in-flight messages (deadline %gs)",
+                self.config.shutdown_timeout,
+            )
+        self.stop_event.set()
+        for runner in self.runners:
+            wake = getattr(runner.transport, "wake_all", None)
+            if wake is not None:
+                wake()
+
+    def close(self, wait: bool = True) -> None:
+        for runner in self.runners:
+            runner.transport.close()
+        if self._pool is not None:
+            self._pool.close(timeout=5.0 if wait else 0.1)
+        if self.http is not None:
+            self.http.shutdown()
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        total: collections.Counter[str] = collections.Counter()
+        for runner in self.runners:
+            total.update(runner.stats)
+        return total
+
+    def _loop(self, runner: Runner) -> None:
+        errors = 0
+        while not self.stop_event.is_set():
+            try:
+                worked = runner.step()
+                errors = 0
+            except Exception as exc:
+                errors += 1
+                delay = min(ERROR_BACKOFF_MAX, 0.1 * 2**errors)
+                log.warning(
+                    "%s: %s: %s; the message is left to its transport, retrying in %.1fs",
+                    runner.handler.name,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+                self.stop_event.wait(delay)
+                continue
+            self.last_progress = time.monotonic()
+            if worked:
+                continue
+            if self.config.drain and self._drained():
+                self.stop_event.set()
+                break
+            runner.transport.wait_for_work(self.stop_event, self.config.poll_interval)
+
+    def _drained(self) -> bool:
+        return all(runner.transport.is_drained() for runner in self.runners)
+
+    def _join(self, threads: list[threading.Thread]) -> int:
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        abandoned = sum(t.is_alive() for t in threads)
+        if abandoned:
+            log.error(
+                "%d handler(s) still running after the %gs deadline; exiting, their "
+                "transactions roll back and the messages return to the queue",
+                abandoned,
+                self.config.shutdown_timeout,
+            )
+        return abandoned
+
+    def _report(self) -> None:
+        stats = dict(sorted(self.stats.items()))
+        elapsed = time.monotonic() - self.started
+        log.info(
+            "stopped after %.1fs: %s",
+            elapsed,
+            ", ".join(f"{k}={v}" for k, v in stats.items()) or "no messages",
+        )
+        if self.config.stats_file:
+            with open(self.config.stats_file, "w", encoding="utf-8") as fh:
+                json.dump({"elapsed_seconds": round(elapsed, 3), **stats}, fh)
+
+
+@contextlib.contextmanager
+def _on_stop(callback: Any) -> Iterator[None]:
+    """SIGTERM/SIGINT call `callback` once; a second SIGINT interrupts. Restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and stopping.is_set():
+            raise KeyboardInterrupt
+        stopping.set()
+        callback()
+
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
