@@ -38,7 +38,7 @@ def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
     """Connect, retrying with backoff for up to `timeout` seconds; then a clear error."""
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(psycopg.OperationalError),
-        wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+        wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
         stop=tenacity.stop_after_delay(timeout),
         before_sleep=lambda state: log.warning(
             "database %s unreachable (%s); retrying", describe_dsn(dsn), _last_error(state)

@@ -29,10 +29,13 @@ class Handler:
     lock_namespace: ClassVar[int]
     lock_key_mode: ClassVar[KeyMode] = "int4"
     max_attempts: ClassVar[int] = 5
-    retry_backoff: ClassVar[wait_base] = tenacity.wait_exponential_jitter(initial=1.0, max=300.0)
-    # Contention is not failure: its own backoff and budget, never counted in max_attempts.
-    contention_backoff: ClassVar[wait_base] = tenacity.wait_exponential_jitter(
-        initial=0.05, max=5.0
+    retry_backoff: ClassVar[wait_base] = tenacity.wait_exponential(
+        multiplier=1.0, min=1.0, max=300.0
+    ) + tenacity.wait_random(0, 1.0)
+    # Contention is not failure: its own backoff ("full jitter") and budget, never counted in
+    # max_attempts.
+    contention_backoff: ClassVar[wait_base] = tenacity.wait_random_exponential(
+        multiplier=0.05, max=5.0
     )
     contention_budget: ClassVar[int | None] = 1000
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,14 +35,15 @@ def enqueue(
 ) -> list[int]:
     """Insert messages into `queue` and wake its workers; returns the job ids.
 
-    Runs in the connection's current transaction when one is open, so a producer can
-    enqueue atomically with its own writes; otherwise in a transaction of its own.
+    On a connection that is not in autocommit mode the rows join the caller's transaction,
+    so a producer enqueues atomically with its own writes and commits as usual (workers are
+    woken at that commit); in autocommit mode the batch commits on its own.
     """
     if not queue:
         raise ValueError("queue must be a non-empty string")
     header_value = Jsonb(dict(headers or {}))
     ids: list[int] = []
-    with conn.transaction():
+    with conn.transaction() if conn.autocommit else contextlib.nullcontext():
         batch: list[bytes] = []
         for body in bodies:
             batch.append(encode_body(body))

@@ -1,8 +1,10 @@
 """A handler that records every call, so that overlaps per entity can be checked afterwards.
 
-    psql "$DSN" -f examples/schema.sql
-    printf '{"entity": "a", "work_ms": 5}\n{"entity": "a"}\n' | dedupworker enqueue --dsn "$DSN" --queue q
-    dedupworker run examples.recorder:RecordCalls --dsn "$DSN" --queue q --concurrency 4 --drain
+psql "$DSN" -f examples/schema.sql
+printf '{"entity": "a", "work_ms": 5}\n{"entity": "a"}\n' | dedupworker enqueue --queue q
+dedupworker run examples.recorder:RecordCalls --queue q --concurrency 4 --drain
+
+(with DEDUPWORKER_DSN set, or --dsn on each command)
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class PostgresTransport:
                 with psycopg.connect(self.config.dsn, autocommit=True, **kwargs) as conn:
                     conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
                     while not self._closed.is_set():
-                        for notify in conn.notifies(timeout=1.0):
+                        for notify in conn.notifies(timeout=0.25):
                             if notify.payload == self.queue:
                                 self.wake_all()
             except psycopg.Error as exc:

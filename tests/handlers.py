@@ -1,0 +1,39 @@
+"""Handlers for the acceptance tests, run by real `dedupworker run` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+
+from dedupworker import Handler, Message
+
+
+class StartedAndFinished(Handler):
+    """Records its start outside the transaction and its end inside it.
+
+    A start without an end after the worker exited means a handler was cut off mid-way.
+    """
+
+    lock_namespace = 41
+
+    def __init__(self) -> None:
+        self._side = psycopg.connect(os.environ["DEDUPWORKER_DSN"], autocommit=True)
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        self._side.execute(
+            "INSERT INTO test_started (message_id, pid) VALUES (%s, %s)",
+            (message.id, os.getpid()),
+        )
+        time.sleep(float(message.json().get("work_ms", 1)) / 1000)
+        conn.execute(
+            "INSERT INTO example_calls (entity, message_id, pid, started_at, ended_at)"
+            " VALUES (%s, %s, %s, now(), clock_timestamp())",
+            (str(self.entity_id(message)), message.id, os.getpid()),
+        )

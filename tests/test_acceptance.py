@@ -1,0 +1,198 @@
+"""The real CLI in several processes against one queue; results read back from the database."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from .conftest import ROOT, cli
+
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+
+OVERLAPS = """
+SELECT count(*) FROM example_calls a JOIN example_calls b
+  ON a.entity = b.entity AND a.id < b.id
+ AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
+"""
+
+
+def worker(dsn: str, handler: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dedupworker", "run", handler, "--queue", "q", *args],
+        cwd=ROOT,
+        env={**_env(), "DEDUPWORKER_DSN": dsn},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def scalar(conn: psycopg.Connection[Any], query: str) -> Any:
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def wait_until(conn: psycopg.Connection[Any], query: str, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while not scalar(conn, query):
+        assert time.monotonic() < deadline, f"never true: {query}"
+        time.sleep(0.05)
+
+
+def test_four_drain_processes_over_hot_entities_never_overlap_and_lose_nothing(
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    lines = [json.dumps({"entity": i % 40, "work_ms": 3}) for i in range(400)]
+    lines.insert(123, '{"entity": 1, oops')
+    result = cli("enqueue", "--dsn", dsn, "--queue", "q", stdin="\n".join(lines) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert "enqueued 401 message(s)" in result.stdout
+    assert "line 124 is not valid JSON" in result.stderr
+
+    stats = [tmp_path / f"stats{i}.json" for i in range(4)]
+    procs = [
+        worker(
+            dsn,
+            "examples.recorder:RecordCalls",
+            "--concurrency",
+            "4",
+            "--drain",
+            "--stats-file",
+            str(path),
+        )
+        for path in stats
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+
+    assert scalar(conn, OVERLAPS) == 0
+    assert scalar(conn, "SELECT count(DISTINCT message_id) FROM example_calls") == 400
+    assert scalar(conn, "SELECT count(*) FROM example_calls") == 400
+    dead = conn.execute("SELECT status, last_error FROM dedupworker.jobs").fetchall()
+    assert len(dead) == 1 and dead[0][0] == "dead"
+    assert "malformed" in dead[0][1] and "JSONDecodeError" in dead[0][1]
+    totals: dict[str, int] = {}
+    for path in stats:
+        for key, value in json.loads(path.read_text()).items():
+            if key != "elapsed_seconds":
+                totals[key] = totals.get(key, 0) + value
+    assert totals["succeeded"] == 400 and totals["dead_lettered"] == 1
+    assert totals.get("retried", 0) == 0
+
+
+@pytest.fixture
+def started_table(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("CREATE TABLE test_started (message_id text, pid int)")
+
+
+@pytest.mark.usefixtures("started_table")
+def test_sigterm_finishes_in_flight_handlers_and_leaves_the_rest_queued(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    bodies = "".join(json.dumps({"entity": i, "work_ms": 400}) + "\n" for i in range(40))
+    assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=bodies).returncode == 0
+    proc = worker(
+        dsn, "tests.handlers:StartedAndFinished", "--concurrency", "3", "--shutdown-timeout", "20"
+    )
+    wait_until(conn, "SELECT count(*) >= 3 FROM test_started")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    started = scalar(conn, "SELECT count(*) FROM test_started")
+    finished = scalar(conn, "SELECT count(*) FROM example_calls")
+    queued = scalar(conn, "SELECT count(*) FROM dedupworker.jobs WHERE status = 'ready'")
+    assert started == finished  # every handler that started was allowed to finish
+    assert finished + queued == 40 and queued > 0
+
+
+@pytest.mark.usefixtures("started_table")
+def test_a_handler_past_the_deadline_is_abandoned_and_its_job_returns(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    body = json.dumps({"entity": 1, "work_ms": 30000}) + "\n"
+    assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=body).returncode == 0
+    proc = worker(dsn, "tests.handlers:StartedAndFinished", "--shutdown-timeout", "0.5")
+    wait_until(conn, "SELECT count(*) = 1 FROM test_started")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "still running after the 0.5s deadline" in err
+    wait_until(
+        conn,
+        "SELECT count(*) = 0 FROM pg_stat_activity WHERE application_name LIKE 'dedupworker:%'",
+    )
+    assert scalar(conn, "SELECT count(*) FROM dedupworker.jobs WHERE status = 'ready'") == 1
+    assert scalar(conn, "SELECT count(*) FROM example_calls") == 0
+
+
+@pytest.mark.usefixtures("started_table")
+def test_locks_shows_the_lock_of_a_running_handler(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    bodies = json.dumps({"entity": 8675309, "work_ms": 3000}) + "\n"
+    bodies += json.dumps({"entity": "inv-17", "work_ms": 3000}) + "\n"
+    assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=bodies).returncode == 0
+    proc = worker(dsn, "tests.handlers:StartedAndFinished", "--concurrency", "2")
+    try:
+        wait_until(conn, "SELECT count(*) = 2 FROM test_started")
+        result = cli("locks", "--dsn", dsn, "--json")
+        table = cli("locks", "--dsn", dsn)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    hashed = scalar(conn, "SELECT hashtext('inv-17')")
+    held = {
+        (row["namespace"], row["key"], row["state"])
+        for row in map(json.loads, result.stdout.splitlines())
+    }
+    assert {(41, 8675309, "held"), (41, hashed, "held")} <= held
+    assert "NAMESPACE" in table.stdout and "8675309" in table.stdout
+
+
+def test_dead_jobs_can_be_listed_and_requeued(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin="[1, 2]\n").returncode == 0
+    run = cli("run", "examples.recorder:RecordCalls", "--dsn", dsn, "--queue", "q", "--drain")
+    assert run.returncode == 0, run.stderr
+    listed = cli("dead", "list", "--dsn", dsn, "--json")
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert len(rows) == 1 and "malformed" in rows[0]["error"] and rows[0]["body"] == "[1, 2]"
+    assert cli("dead", "requeue", "--dsn", dsn).returncode == 2
+    requeued = cli("dead", "requeue", "--dsn", dsn, "--id", str(rows[0]["id"]))
+    assert "requeued 1 dead job(s)" in requeued.stdout
+    assert scalar(conn, "SELECT status FROM dedupworker.jobs") == "ready"
+
+
+def test_the_readme_example_keeps_balances_exact(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    payments = [{"account_id": i % 5, "amount": i + 1} for i in range(200)]
+    payments.append({"account_id": 1, "amount": -5})
+    stdin = "".join(json.dumps(p) + "\n" for p in payments)
+    assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=stdin).returncode == 0
+    procs = [
+        worker(dsn, "examples.balances:ApplyPayment", "--concurrency", "3", "--drain")
+        for _ in range(3)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    balances = dict(conn.execute("SELECT account_id, balance FROM example_balances").fetchall())
+    expected = {
+        a: sum(p["amount"] for p in payments[:200] if p["account_id"] == a) for a in range(5)
+    }
+    assert balances == expected
+    assert scalar(conn, "SELECT last_error FROM dedupworker.jobs WHERE status = 'dead'") == (
+        "rejected: amount must be positive, got -5"
+    )

@@ -1,0 +1,57 @@
+"""The command line: options from the environment, and errors that say what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from dedupworker.cli import build_parser
+
+from .conftest import cli
+
+
+def test_every_run_option_names_its_environment_variable() -> None:
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
+    for flag in ("DSN", "QUEUE", "CONCURRENCY", "TRANSPORT", "METRICS_PORT", "DRAIN"):
+        assert f"DEDUPWORKER_{flag}" in text
+
+
+def test_environment_supplies_typed_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEDUPWORKER_QUEUE", "emails")
+    monkeypatch.setenv("DEDUPWORKER_CONCURRENCY", "7")
+    monkeypatch.setenv("DEDUPWORKER_DRAIN", "true")
+    args = build_parser().parse_args(["run", "a:B"])
+    assert (args.queue, args.concurrency, args.drain) == ("emails", 7, True)
+    args = build_parser().parse_args(["run", "a:B", "--concurrency", "2"])
+    assert args.concurrency == 2
+
+
+def test_a_bad_environment_value_is_refused() -> None:
+    result = cli("run", "a:B", env={"DEDUPWORKER_CONCURRENCY": "many"})
+    assert result.returncode == 2
+    assert "invalid int value: 'many'" in result.stderr
+
+
+def test_a_bad_handler_path_is_a_configuration_error() -> None:
+    result = cli("run", "examples.recorder.RecordCalls", "--dsn", "postgresql://x@127.0.0.1:1/x")
+    assert result.returncode == 2
+    assert "not of the form module:Class" in result.stderr
+
+
+def test_missing_dsn_says_how_to_give_one() -> None:
+    result = cli("migrate", env={"DEDUPWORKER_DSN": ""})
+    assert result.returncode == 2
+    assert "--dsn or set DEDUPWORKER_DSN" in result.stderr
+
+
+def test_an_unreachable_database_is_named_without_its_password() -> None:
+    dsn = "postgresql://app:hunter2@127.0.0.1:1/orders"
+    result = cli("run", "examples.recorder:RecordCalls", "--dsn", dsn, "--connect-timeout", "1")
+    assert result.returncode == 1
+    assert "cannot connect to PostgreSQL at app@127.0.0.1:1/orders" in result.stderr
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_zero_concurrency_is_refused() -> None:
+    result = cli("run", "examples.recorder:RecordCalls", "--dsn", "x", "--concurrency", "0")
+    assert result.returncode == 2
+    assert "--concurrency must be >= 1" in result.stderr

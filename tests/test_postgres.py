@@ -1,0 +1,258 @@
+"""The runner and the postgres queue against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import tenacity
+
+from dedupworker import Handler, Message, Reject, RetryLater, WorkerConfig, enqueue, migrate
+from dedupworker.db import open_pool
+from dedupworker.errors import SchemaMissing
+from dedupworker.runner import Runner
+from dedupworker.transports.postgres import PostgresTransport
+
+pytestmark = pytest.mark.postgres
+
+
+class Scripted(Handler):
+    """Behaviour chosen by the body: {"entity": ..., "do": "ok" | "fail" | "reject" | "later"}."""
+
+    lock_namespace = 30
+    max_attempts = 2
+    retry_backoff = tenacity.wait_fixed(60)
+    contention_backoff = tenacity.wait_fixed(30)
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        conn.execute(
+            "INSERT INTO example_calls (entity, message_id, pid, started_at, ended_at)"
+            " VALUES (%s, %s, 0, now(), now())",
+            (str(self.entity_id(message)), message.id),
+        )
+        action = message.json().get("do", "ok")
+        if action == "fail":
+            raise RuntimeError("handler broke")
+        if action == "reject":
+            raise Reject("poison")
+        if action == "later":
+            raise RetryLater("not yet", delay=120)
+
+
+@pytest.fixture
+def runner(dsn: str) -> Iterator[Runner]:
+    config = WorkerConfig(dsn=dsn, queue="q", poll_interval=0.2)
+    pool = open_pool(dsn, 2, 10)
+    transport = PostgresTransport(config, pool)
+    yield Runner(Scripted(), transport, pool)
+    transport.close()
+    pool.close()
+
+
+def job(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    cur = conn.execute(
+        "SELECT status, attempts, contentions, last_error,"
+        " extract(epoch FROM run_at - clock_timestamp()) AS delay FROM dedupworker.jobs"
+    )
+    rows = cur.fetchall()
+    assert len(rows) == 1
+    names = [d.name for d in cur.description or []]
+    return dict(zip(names, rows[0], strict=True))
+
+
+def calls(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM example_calls").fetchone()
+    return int(row[0]) if row else -1
+
+
+def test_success_commits_the_handler_writes_and_removes_the_job(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7}])
+    assert runner.step() is True
+    assert conn.execute("SELECT count(*) FROM dedupworker.jobs").fetchone() == (0,)
+    assert calls(conn) == 1
+    assert runner.step() is False
+    assert runner.stats == {"succeeded": 1}
+
+
+def test_failure_rolls_back_the_handler_and_schedules_a_retry(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7, "do": "fail"}])
+    runner.step()
+    state = job(conn)
+    assert calls(conn) == 0
+    assert (state["status"], state["attempts"], state["contentions"]) == ("ready", 1, 0)
+    assert state["last_error"] == "RuntimeError: handler broke"
+    assert 50 < state["delay"] <= 60
+
+
+def test_last_attempt_dead_letters_with_the_error(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7, "do": "fail"}])
+    runner.step()
+    conn.execute("UPDATE dedupworker.jobs SET run_at = now()")
+    runner.step()
+    state = job(conn)
+    assert (state["status"], state["attempts"]) == ("dead", 2)
+    assert "max_attempts=2" in state["last_error"]
+    assert runner.stats == {"retried": 1, "dead_lettered": 1}
+
+
+def test_reject_dead_letters_without_retrying(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7, "do": "reject"}])
+    runner.step()
+    assert job(conn)["status"] == "dead"
+    assert job(conn)["last_error"] == "rejected: poison"
+
+
+def test_retry_later_waits_the_delay_it_asked_for(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7, "do": "later"}])
+    runner.step()
+    state = job(conn)
+    assert (state["status"], state["attempts"]) == ("ready", 1)
+    assert 110 < state["delay"] <= 120
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b'{"no_entity": 1}', b'{"entity": [1, 2]}', b'{"entity": null}', b"\xff\xfe"],
+)
+def test_malformed_messages_are_dead_lettered_with_a_reason(
+    runner: Runner, conn: psycopg.Connection[Any], body: bytes
+) -> None:
+    enqueue(conn, "q", [body])
+    assert runner.step() is True
+    state = job(conn)
+    assert state["status"] == "dead"
+    assert state["last_error"].startswith("entity_id() failed, the message is malformed")
+
+
+@pytest.mark.parametrize(
+    ("entity", "sql_lock"),
+    [
+        (8675309, "pg_advisory_xact_lock(30, 8675309)"),
+        (-5, "pg_advisory_xact_lock(30, -5)"),
+        ("inv-17", "pg_advisory_xact_lock(30, hashtext('inv-17'))"),
+        (2**40, f"pg_advisory_xact_lock(30, hashtext('{2**40}'))"),
+    ],
+)
+def test_other_sql_holding_the_documented_lock_makes_the_message_wait(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str, entity: int | str, sql_lock: str
+) -> None:
+    enqueue(conn, "q", [{"entity": entity}])
+    with psycopg.connect(dsn) as holder:
+        holder.execute(f"SELECT {sql_lock}")
+        runner.step()
+        state = job(conn)
+        assert (state["status"], state["attempts"], state["contentions"]) == ("ready", 0, 1)
+        assert 25 < state["delay"] <= 30
+        assert calls(conn) == 0
+    conn.execute("UPDATE dedupworker.jobs SET run_at = now()")
+    runner.step()
+    assert calls(conn) == 1
+
+
+def test_contention_never_uses_up_attempts(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    enqueue(conn, "q", [{"entity": 1}])
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(30, 1)")
+        for _ in range(5):
+            conn.execute("UPDATE dedupworker.jobs SET run_at = now()")
+            runner.step()
+    state = job(conn)
+    assert (state["status"], state["attempts"], state["contentions"]) == ("ready", 0, 5)
+    assert runner.stats == {"contended": 5}
+
+
+def test_a_claimed_job_is_skipped_not_waited_for(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    enqueue(conn, "q", [{"entity": 1}, {"entity": 2}])
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT id FROM dedupworker.jobs ORDER BY id LIMIT 1 FOR UPDATE")
+        assert runner.step() is True
+        rows = conn.execute("SELECT body FROM dedupworker.jobs").fetchall()
+        assert [bytes(r[0]) for r in rows] == [b'{"entity":1}']
+
+
+def test_queues_are_separate(runner: Runner, conn: psycopg.Connection[Any]) -> None:
+    enqueue(conn, "other", [{"entity": 1}])
+    assert runner.step() is False
+
+
+def test_enqueue_joins_the_callers_transaction(dsn: str) -> None:
+    with psycopg.connect(dsn) as producer:
+        enqueue(producer, "q", [{"entity": 1}, "text", b"\x00bytes"])
+        producer.rollback()
+        assert producer.execute("SELECT count(*) FROM dedupworker.jobs").fetchone() == (0,)
+        ids = enqueue(producer, "q", [{"entity": 1}], headers={"source": "test"})
+        producer.commit()
+        row = producer.execute("SELECT id, headers FROM dedupworker.jobs").fetchone()
+        assert row == (ids[0], {"source": "test"})
+
+
+def test_migrate_is_idempotent_and_serialized(dsn: str) -> None:
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn) as c:
+                results.append(migrate(c))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert results == [[]] * 4  # the template is migrated already
+
+
+def test_migrate_on_an_empty_database_applies_every_version(pg_server: Any) -> None:
+    with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+        admin.execute("CREATE DATABASE fresh_migrate")
+    fresh = pg_server.dsn.rsplit("/", 1)[0] + "/fresh_migrate"
+    try:
+        results: list[list[int]] = []
+
+        def run() -> None:
+            with psycopg.connect(fresh) as c:
+                results.append(migrate(c))
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == [[], [], [1]]
+    finally:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+            admin.execute("DROP DATABASE fresh_migrate WITH (FORCE)")
+
+
+def test_a_worker_on_an_unmigrated_database_says_to_migrate(pg_server: Any) -> None:
+    pool = open_pool(pg_server.dsn, 1, 5)
+    try:
+        with pytest.raises(SchemaMissing, match="dedupworker migrate"):
+            PostgresTransport(WorkerConfig(dsn=pg_server.dsn), pool)
+    finally:
+        pool.close()
