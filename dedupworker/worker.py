@@ -121,6 +121,7 @@ class Worker:
             self._pool.close(timeout=5.0 if wait else 0.1)
         if self.http is not None:
             self.http.shutdown()
+            self.http.server_close()
 
     @property
     def stats(self) -> collections.Counter[str]:
