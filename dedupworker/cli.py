@@ -14,6 +14,7 @@ from .errors import ConfigurationError, DedupWorkerError
 
 Command = Callable[[argparse.Namespace], int]
 TRUE = {"1", "true", "yes", "on"}
+LOG_FORMATS = ("text", "json")
 
 
 def env_name(flag: str) -> str:
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser,
         "--log-format",
         default="text",
-        choices=("text", "json"),
+        choices=LOG_FORMATS,
         help="text for people, json for one object per line",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -73,8 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand that also accepts the logging options after its name."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, **kwargs)
+    # SUPPRESS: when not given after the command, the value given before it (or its env) stays.
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS
+    )
+    return parser
+
+
 def _add_run(sub: Any) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "run",
         help="run handlers over a transport",
         description="Run handlers; each call holds its entity's advisory lock.",
@@ -131,13 +144,13 @@ def _add_run(sub: Any) -> None:
 
 
 def _add_migrate(sub: Any) -> None:
-    p = sub.add_parser("migrate", help="create or upgrade the queue tables (idempotent)")
+    p = command(sub, "migrate", help="create or upgrade the queue tables (idempotent)")
     add_connect_options(p)
     p.set_defaults(func=cmd_migrate)
 
 
 def _add_enqueue(sub: Any) -> None:
-    p = sub.add_parser("enqueue", help="enqueue JSON lines from stdin, one message per line")
+    p = command(sub, "enqueue", help="enqueue JSON lines from stdin, one message per line")
     add_connect_options(p)
     add_option(p, "--queue", default="default", help="queue name")
     add_option(p, "--delay", type=float, default=0.0, help="seconds before the messages run")
@@ -145,7 +158,7 @@ def _add_enqueue(sub: Any) -> None:
 
 
 def _add_locks(sub: Any) -> None:
-    p = sub.add_parser("locks", help="advisory locks held and awaited, keys decoded")
+    p = command(sub, "locks", help="advisory locks held and awaited, keys decoded")
     add_connect_options(p)
     p.add_argument("--namespace", type=int, help="only this lock namespace")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -153,15 +166,15 @@ def _add_locks(sub: Any) -> None:
 
 
 def _add_dead(sub: Any) -> None:
-    p = sub.add_parser("dead", help="list or requeue dead-lettered jobs")
+    p = command(sub, "dead", help="list or requeue dead-lettered jobs")
     dead = p.add_subparsers(dest="dead_command", metavar="ACTION", required=True)
-    ls = dead.add_parser("list", help="dead jobs with their errors")
+    ls = command(dead, "list", help="dead jobs with their errors")
     add_connect_options(ls)
     ls.add_argument("--queue", help="only this queue")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.set_defaults(func=cmd_dead_list)
-    rq = dead.add_parser("requeue", help="make dead jobs ready again (attempts reset)")
+    rq = command(dead, "requeue", help="make dead jobs ready again (attempts reset)")
     add_connect_options(rq)
     rq.add_argument("--queue", help="only this queue")
     rq.add_argument("--id", type=int, action="append", dest="ids", help="job id (repeatable)")
@@ -170,7 +183,7 @@ def _add_dead(sub: Any) -> None:
 
 
 def _add_demo(sub: Any) -> None:
-    p = sub.add_parser("demo", help="the whole idea on a private PostgreSQL, no setup")
+    p = command(sub, "demo", help="the whole idea on a private PostgreSQL, no setup")
     add_dsn(p)
     p.add_argument("--workers", type=int, default=3, help="worker processes")
     p.add_argument("--concurrency", type=int, default=4, help="handler threads per worker")

@@ -196,3 +196,11 @@ def test_the_readme_example_keeps_balances_exact(dsn: str, conn: psycopg.Connect
     assert scalar(conn, "SELECT last_error FROM dedupworker.jobs WHERE status = 'dead'") == (
         "rejected: amount must be positive, got -5"
     )
+
+
+def test_the_demo_runs_to_its_summary_on_a_private_postgres() -> None:
+    result = cli("demo", "--workers", "2", "--deliveries", "60", env={"DEDUPWORKER_DSN": ""})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PostgreSQL: local PostgreSQL binaries" in result.stdout
+    assert "0 overlapping calls for one endpoint" in result.stdout
+    assert "dead-lettered   3, each with its reason" in result.stdout

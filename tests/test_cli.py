@@ -55,3 +55,10 @@ def test_zero_concurrency_is_refused() -> None:
     result = cli("run", "examples.recorder:RecordCalls", "--dsn", "x", "--concurrency", "0")
     assert result.returncode == 2
     assert "--concurrency must be >= 1" in result.stderr
+
+
+def test_logging_options_work_before_and_after_the_command() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["migrate", "--log-level", "ERROR"]).log_level == "ERROR"
+    assert parser.parse_args(["--log-level", "DEBUG", "migrate"]).log_level == "DEBUG"
+    assert parser.parse_args(["migrate"]).log_level == "INFO"

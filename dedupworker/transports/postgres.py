@@ -18,6 +18,8 @@ from ..transport import Delivery
 
 log = logging.getLogger("dedupworker")
 
+IN_FLIGHT_RECHECK = 0.05
+
 
 class PostgresTransport:
     name = "postgres"
@@ -81,8 +83,10 @@ class PostgresTransport:
         with self.pool.connection() as conn:
             row = conn.execute(sql.SECONDS_UNTIL_NEXT, (self.queue,)).fetchone()
         due = row[0] if row and row[0] is not None else None
-        wait = timeout if due is None else min(timeout, due)
-        if wait <= 0 or stop.is_set():
+        # A job that is due but could not be claimed is in flight elsewhere: its row goes away
+        # at that commit, which sends no NOTIFY, so look again soon rather than spin.
+        wait = timeout if due is None else min(timeout, max(due, IN_FLIGHT_RECHECK))
+        if stop.is_set():
             return
         with self._wakeup:
             self._wakeup.wait(wait)

@@ -1,0 +1,424 @@
+"""`dedupworker demo`: webhook deliveries, duplicates and a hot endpoint, on several workers.
+
+Everything runs for real: a private PostgreSQL (unless --dsn is given), the postgres queue,
+`dedupworker run` worker processes, and a correctness check in SQL at the end: no two handler
+calls for one endpoint overlapped in time, and no delivery was sent twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import psycopg
+import tenacity
+
+from .db import describe_dsn
+from .errors import ConfigurationError
+from .handler import Handler
+from .message import Message
+
+QUEUE = "demo"
+SCHEMA = "dedupworker_demo"
+HOT = "ep-hot"
+FLAKY = "ep-flaky"
+ENDPOINTS = (FLAKY, *(f"ep-{k:02d}" for k in range(1, 20)))
+TIMEOUT_SECONDS = 120.0
+PROGRESS_INTERVAL = 0.3
+
+_SETUP = f"""
+DROP SCHEMA IF EXISTS {SCHEMA} CASCADE;
+CREATE SCHEMA {SCHEMA};
+CREATE TABLE {SCHEMA}.sent (
+    delivery_id text PRIMARY KEY,
+    endpoint    text NOT NULL,
+    pid         int NOT NULL,
+    sent_at     timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE {SCHEMA}.calls (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    endpoint    text NOT NULL,
+    delivery_id text NOT NULL,
+    pid         int NOT NULL,
+    started_at  timestamptz NOT NULL,
+    ended_at    timestamptz NOT NULL,
+    result      text NOT NULL
+);
+DELETE FROM dedupworker.jobs WHERE queue = '{QUEUE}';
+"""
+
+_PROGRESS = f"""
+SELECT (SELECT count(*) FROM dedupworker.jobs WHERE queue = '{QUEUE}' AND status = 'ready'),
+       (SELECT count(*) FROM {SCHEMA}.sent),
+       (SELECT count(*) FROM {SCHEMA}.calls WHERE result = 'duplicate'),
+       (SELECT count(*) FROM dedupworker.jobs WHERE queue = '{QUEUE}' AND status = 'dead')
+"""
+
+_ALREADY_SENT = f"SELECT EXISTS (SELECT FROM {SCHEMA}.sent WHERE delivery_id = %s)"
+
+# Pairs of calls for one endpoint whose [started_at, ended_at) intervals intersect.
+_OVERLAPS = f"""
+SELECT count(*)
+FROM {SCHEMA}.calls a
+JOIN {SCHEMA}.calls b ON a.endpoint = b.endpoint AND a.id < b.id
+WHERE tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
+"""
+
+_SENT_TWICE = f"""
+SELECT count(*) FROM (
+    SELECT delivery_id FROM {SCHEMA}.calls WHERE result = 'sent'
+    GROUP BY delivery_id HAVING count(*) > 1
+) twice
+"""
+
+_DEAD = f"""
+SELECT id, last_error, body FROM dedupworker.jobs
+WHERE queue = '{QUEUE}' AND status = 'dead' ORDER BY id
+"""
+
+
+class DemoWebhook(Handler):
+    """POSTs a webhook delivery to its endpoint, at most once, one call per endpoint at a time."""
+
+    lock_namespace = 30
+    max_attempts = 3
+    retry_backoff = tenacity.wait_fixed(0.2)
+    contention_backoff = tenacity.wait_random_exponential(multiplier=0.02, max=0.5)
+
+    def entity_id(self, message: Message) -> int | str:
+        endpoint: int | str = message.json()["endpoint"]
+        return endpoint
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        delivery_id, endpoint = str(body["delivery_id"]), str(body["endpoint"])
+        started = _scalar(conn, "SELECT clock_timestamp()")
+        # Check-then-act is safe only because the endpoint's lock is held: no other call for
+        # this endpoint (hence for this delivery) can run between the check and the insert.
+        if _scalar(conn, _ALREADY_SENT, delivery_id):
+            _record_call(conn, endpoint, delivery_id, started, "duplicate")
+            return
+        if endpoint == FLAKY and message.attempt == 1:
+            raise ConnectionError(f"{FLAKY} answered 503 (simulated, first attempt only)")
+        time.sleep(post_seconds(delivery_id))  # the HTTP POST
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.sent (delivery_id, endpoint, pid) VALUES (%s, %s, %s)",
+            (delivery_id, endpoint, os.getpid()),
+        )
+        _record_call(conn, endpoint, delivery_id, started, "sent")
+
+
+def post_seconds(delivery_id: str) -> float:
+    """A simulated POST takes 5-15 ms, always the same for one delivery."""
+    return (5 + zlib.crc32(delivery_id.encode()) % 11) / 1000
+
+
+def _scalar(conn: psycopg.Connection[Any], query: str, *params: object) -> Any:
+    row = conn.execute(query, params or None).fetchone()
+    return row[0] if row else None
+
+
+def _record_call(
+    conn: psycopg.Connection[Any], endpoint: str, delivery_id: str, started: Any, result: str
+) -> None:
+    conn.execute(
+        f"INSERT INTO {SCHEMA}.calls (endpoint, delivery_id, pid, started_at, ended_at, result)"
+        " VALUES (%s, %s, %s, %s, clock_timestamp(), %s)",
+        (endpoint, delivery_id, os.getpid(), started, result),
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the demo enqueues, in order, and what that should lead to."""
+
+    bodies: list[bytes]
+    deliveries: int
+    duplicates: int
+    malformed: int
+    flaky: int
+
+
+MALFORMED = (
+    b"this is not JSON at all",
+    json.dumps({"delivery_id": "d-no-endpoint", "payload": {}}).encode(),
+    json.dumps({"delivery_id": "d-list-endpoint", "endpoint": ["ep-01", "ep-02"]}).encode(),
+)
+
+
+def build_plan(deliveries: int, seed: int = 7) -> Plan:
+    """~40% to the hot endpoint, ~10% enqueued twice (not adjacent), 3 malformed messages."""
+    rng = random.Random(seed)
+    keyed: list[tuple[float, bytes]] = []
+    flaky = 0
+    for n in range(1, deliveries + 1):
+        endpoint = HOT if rng.random() < 0.4 else rng.choice(ENDPOINTS)
+        flaky += endpoint == FLAKY
+        keyed.append((n, _delivery(n, endpoint, rng)))
+    # A copy sorts 1.5 or more places after its original: never adjacent to it.
+    twice = rng.sample(range(deliveries - 2), round(deliveries * 0.1)) if deliveries > 2 else []
+    for index in twice:
+        position, body = keyed[index]
+        keyed.append((min(position + rng.uniform(1.5, 30), deliveries + 0.5), body))
+    for i, body in enumerate(MALFORMED, start=1):
+        keyed.append((deliveries * i / (len(MALFORMED) + 1) + 0.25, body))
+    bodies = [body for _, body in sorted(keyed, key=lambda item: item[0])]
+    return Plan(bodies, deliveries, len(twice), len(MALFORMED), flaky)
+
+
+def _delivery(n: int, endpoint: str, rng: random.Random) -> bytes:
+    payload = {
+        "event": "invoice.paid",
+        "invoice": f"inv-{n}",
+        "amount_cents": rng.randint(1, 10**5),
+    }
+    body = {"delivery_id": f"d-{n}", "endpoint": endpoint, "payload": payload}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def prepare(dsn: str, plan: Plan) -> None:
+    """Migrate, (re)create the demo tables, forget earlier demo jobs, enqueue the plan."""
+    from .db import connect
+    from .producer import enqueue
+    from .schema import migrate
+
+    with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
+        migrate(conn)
+        with conn.transaction():
+            conn.execute(_SETUP)
+        enqueue(conn, QUEUE, plan.bodies)
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen[bytes]
+    stats_file: Path
+    stderr_file: Path
+
+
+def start_workers(dsn: str, workers: int, concurrency: int, tmp: Path) -> list[WorkerProcess]:
+    # Options come from flags only: a DEDUPWORKER_* variable (say, a metrics port) set for
+    # real workers must not leak into the demo's.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEDUPWORKER_")}
+    started = []
+    for i in range(workers):
+        stats, stderr = tmp / f"worker-{i}.json", tmp / f"worker-{i}.err"
+        command = [
+            *(sys.executable, "-m", "dedupworker", "--log-level", "ERROR", "run"),
+            *(f"{__name__}:DemoWebhook", "--transport", "postgres", "--dsn", dsn),
+            *("--queue", QUEUE, "--concurrency", str(concurrency), "--drain"),
+            *("--stats-file", str(stats)),
+        ]
+        with open(stderr, "wb") as err:
+            process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        started.append(WorkerProcess(process, stats, stderr))
+    return started
+
+
+class Progress:
+    """One status line: rewritten in place on a terminal, at most once a second otherwise."""
+
+    def __init__(self, out: TextIO, deliveries: int) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.deliveries = deliveries
+        self.started = time.monotonic()
+        self.printed = 0.0
+        self.last = ""
+
+    def show(self, counts: tuple[int, ...], running: int, final: bool = False) -> None:
+        ready, sent, duplicates, dead = counts
+        self.last = (
+            f"  {time.monotonic() - self.started:5.1f}s  workers running {running}  "
+            f"queue {ready:4d}  sent {sent:4d}/{self.deliveries}  "
+            f"duplicates skipped {duplicates:3d}  dead {dead}"
+        )
+        if self.tty:
+            self.out.write("\r" + self.last + ("\n" if final else ""))
+        elif final or time.monotonic() - self.printed >= 1.0:
+            self.out.write(self.last + "\n")
+            self.printed = time.monotonic()
+        self.out.flush()
+
+
+def watch(dsn: str, workers: list[WorkerProcess], progress: Progress) -> bool:
+    """Show progress until every worker exited; False (workers killed) after the timeout."""
+    from .db import connect
+
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
+        while True:
+            running = sum(w.process.poll() is None for w in workers)
+            timed_out = running > 0 and time.monotonic() > deadline
+            counts = tuple(conn.execute(_PROGRESS).fetchone() or (0, 0, 0, 0))
+            progress.show(counts, running, final=running == 0 or timed_out)
+            if running == 0 or timed_out:
+                return not timed_out
+            time.sleep(PROGRESS_INTERVAL)
+
+
+def stop_workers(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.kill()
+    for worker in workers:
+        worker.process.wait()
+
+
+def sum_stats(workers: list[WorkerProcess]) -> collections.Counter[str]:
+    total: collections.Counter[str] = collections.Counter()
+    for worker in workers:
+        try:
+            stats = json.loads(worker.stats_file.read_text())
+        except (OSError, ValueError):
+            continue
+        total.update({k: v for k, v in stats.items() if k != "elapsed_seconds"})
+    return total
+
+
+@dataclass(frozen=True)
+class Results:
+    sent: int
+    duplicates: int
+    overlaps: int
+    sent_twice: int
+    dead: list[tuple[int, str, bytes]]
+
+
+def collect(dsn: str) -> Results:
+    from .db import connect
+
+    with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
+        dead = [(int(i), str(e), bytes(b)) for i, e, b in conn.execute(_DEAD).fetchall()]
+        return Results(
+            sent=_scalar(conn, f"SELECT count(*) FROM {SCHEMA}.sent"),
+            duplicates=_scalar(
+                conn, f"SELECT count(*) FROM {SCHEMA}.calls WHERE result = 'duplicate'"
+            ),
+            overlaps=_scalar(conn, _OVERLAPS),
+            sent_twice=_scalar(conn, _SENT_TWICE),
+            dead=dead,
+        )
+
+
+def worker_failures(workers: list[WorkerProcess]) -> list[str]:
+    """One line per worker that did not exit 0, with the end of what it logged."""
+    failures = []
+    for i, worker in enumerate(workers):
+        code = worker.process.returncode
+        if code != 0:
+            tail = worker.stderr_file.read_text(errors="replace").strip()[-600:]
+            failures.append(f"worker {i} exited {code}" + (f":\n{tail}" if tail else ""))
+    return failures
+
+
+def print_summary(plan: Plan, stats: collections.Counter[str], results: Results) -> None:
+    print(f"""
+Enqueued {len(plan.bodies)} messages on queue {QUEUE!r}: {plan.deliveries} deliveries \
+({plan.duplicates} of them twice) and {plan.malformed} malformed ones.
+  sent            {results.sent} of {plan.deliveries} deliveries
+  duplicates      {results.duplicates} acknowledged without resending: the delivery was already \
+in `sent`
+  contended       {stats["contended"]} times a worker found the endpoint locked and requeued the \
+message
+                  with backoff; contention never counts as a failed attempt
+  retried         {stats["retried"]} failed attempts, retried 0.2 s later ({FLAKY} fails each \
+first attempt;
+                  {plan.flaky} of the deliveries go there)
+  dead-lettered   {len(results.dead)}, each with its reason:""")
+    for job_id, reason, body in results.dead:
+        text = body.decode("utf-8", errors="replace")[:80]
+        print(f"    job {job_id:<5} {reason}\n              body: {text}")
+
+
+def print_checks(plan: Plan, results: Results) -> bool:
+    checks = (
+        (results.overlaps == 0, f"{results.overlaps} overlapping calls for one endpoint"),
+        (results.sent_twice == 0, f"{results.sent_twice} deliveries sent more than once"),
+        (
+            results.sent == plan.deliveries,
+            f"{plan.deliveries - results.sent} of {plan.deliveries} deliveries never sent",
+        ),
+        (
+            results.duplicates == plan.duplicates,
+            f"{results.duplicates} duplicates acknowledged, {plan.duplicates} enqueued",
+        ),
+    )
+    print(f"\nChecked in SQL on {SCHEMA}.calls (handler calls with their start and end times):")
+    for ok, text in checks:
+        print(f"  {'ok    ' if ok else 'FAILED'}  {text}")
+    return all(ok for ok, _ in checks)
+
+
+def print_next_steps(private: bool) -> None:
+    print(f"""
+Try next:
+  dedupworker dead list --dsn "$DSN" --queue {QUEUE}          # dead jobs, reasons and bodies
+  dedupworker dead requeue --dsn "$DSN" --queue {QUEUE} --all # give them another go
+  dedupworker locks --dsn "$DSN" --namespace 30           # while workers run: who holds what
+  dedupworker demo --workers 6 --concurrency 8 --deliveries 1000""")
+    if private:
+        print(
+            'The private PostgreSQL stops with the demo: run `dedupworker demo --dsn "$DSN"`'
+            " against your own\nserver to keep the demo's tables and dead jobs for these commands."
+        )
+
+
+def run_demo(dsn: str | None, workers: int, concurrency: int, deliveries: int) -> int:
+    """Run the demo on `dsn`, or on a private PostgreSQL when None; returns the exit code."""
+    from .embedded import private_postgres
+
+    for name, value in (("workers", workers), ("concurrency", concurrency)):
+        if value < 1:
+            raise ConfigurationError(f"--{name} must be >= 1, got {value}")
+    if deliveries < 3:
+        raise ConfigurationError(f"--deliveries must be >= 3, got {deliveries}")
+    if dsn:
+        print(f"PostgreSQL: {describe_dsn(dsn)} from --dsn (demo tables in schema {SCHEMA})")
+        return _run(dsn, workers, concurrency, deliveries, private=False)
+    server = private_postgres()
+    try:
+        url = server.start()
+        print(f"PostgreSQL: {server.description}")
+        return _run(url, workers, concurrency, deliveries, private=True)
+    finally:
+        server.stop()
+
+
+def _run(dsn: str, workers: int, concurrency: int, deliveries: int, *, private: bool) -> int:
+    plan = build_plan(deliveries)
+    prepare(dsn, plan)
+    print(
+        f"Enqueued {len(plan.bodies)} messages. Running {workers} workers x {concurrency} threads:"
+        f"\n  dedupworker run {__name__}:DemoWebhook --queue {QUEUE} --drain"
+    )
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dedupworker-demo-") as tmp:
+        processes = start_workers(dsn, workers, concurrency, Path(tmp))
+        try:
+            finished = watch(dsn, processes, Progress(sys.stdout, deliveries))
+        finally:
+            stop_workers(processes)
+        failures = worker_failures(processes)
+        stats = sum_stats(processes)
+    if not finished:
+        print(f"Timed out after {TIMEOUT_SECONDS:g} s: the workers were killed.")
+        return 1
+    print(f"All workers drained the queue and exited in {time.monotonic() - started:.1f} s.")
+    results = collect(dsn)
+    print_summary(plan, stats, results)
+    ok = print_checks(plan, results)
+    for failure in failures:
+        print(failure)
+    print_next_steps(private)
+    return 0 if ok and not failures else 1
