@@ -1,0 +1,1 @@
+"""Benchmarks for dedupworker; run them from the repository root (see README.md)."""

@@ -1,0 +1,20 @@
+"""A handler that does nothing, so a benchmark measures only the worker's own cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from dedupworker import Handler, Message
+
+
+class Noop(Handler):
+    lock_namespace = 77
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        """Nothing: commit and ack right away."""
