@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +45,18 @@ class Scripted(Handler):
             raise Reject("poison")
         if action == "later":
             raise RetryLater("not yet", delay=120)
+        if action == "commit":
+            conn.commit()
+        if action == "swallow":
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                conn.execute("SELECT 1 / 0")
+        if action == "nested":
+            with contextlib.suppress(psycopg.errors.DivisionByZero), conn.transaction():
+                conn.execute("INSERT INTO example_balances VALUES (1, 1)")
+                conn.execute("SELECT 1 / 0")
+        if action == "copy":
+            with conn.cursor().copy("COPY example_balances FROM STDIN") as copy:
+                copy.write_row((2, 5))
 
 
 @pytest.fixture
@@ -256,3 +269,29 @@ def test_a_worker_on_an_unmigrated_database_says_to_migrate(pg_server: Any) -> N
             PostgresTransport(WorkerConfig(dsn=pg_server.dsn), pool)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("action", "reason"),
+    [
+        ("commit", "ended the worker's transaction"),
+        ("swallow", "left the transaction aborted"),
+    ],
+)
+def test_a_handler_that_breaks_the_transaction_fails_with_the_reason(
+    runner: Runner, conn: psycopg.Connection[Any], action: str, reason: str
+) -> None:
+    enqueue(conn, "q", [{"entity": 3, "do": action}])
+    runner.step()
+    state = job(conn)
+    assert (state["status"], state["attempts"]) == ("ready", 1)
+    assert reason in state["last_error"]
+
+
+def test_nested_blocks_and_copy_work_inside_the_handler(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 3, "do": "nested"}, {"entity": 4, "do": "copy"}])
+    assert runner.step() and runner.step()
+    assert runner.stats == {"succeeded": 2}
+    assert conn.execute("SELECT * FROM example_balances").fetchall() == [(2, 5)]
