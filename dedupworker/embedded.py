@@ -84,23 +84,7 @@ class LocalPostgres:
             "--no-sync",
             "--no-instructions",
         )
-        options = (
-            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
-            "-c max_connections=300 -c synchronous_commit=off"
-        )
-        self._pg(
-            "pg_ctl",
-            "-D",
-            str(self.data),
-            "-l",
-            str(self.root / "server.log"),
-            "-w",
-            "-t",
-            "60",
-            "-o",
-            options,
-            "start",
-        )
+        self._pg_ctl_start()
         return self.dsn
 
     def pid(self) -> int | None:
@@ -112,22 +96,16 @@ class LocalPostgres:
     def restart(self) -> None:
         """Fast shutdown then start again on the same port (for reconnect tests)."""
         self._pg("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        self._pg_ctl_start()
+
+    def _pg_ctl_start(self) -> None:
         options = (
             f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
             "-c max_connections=300 -c synchronous_commit=off"
         )
+        log = str(self.root / "server.log")
         self._pg(
-            "pg_ctl",
-            "-D",
-            str(self.data),
-            "-l",
-            str(self.root / "server.log"),
-            "-w",
-            "-t",
-            "60",
-            "-o",
-            options,
-            "start",
+            "pg_ctl", "-D", str(self.data), "-l", log, "-w", "-t", "60", "-o", options, "start"
         )
 
     def stop(self) -> None:
