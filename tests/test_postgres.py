@@ -274,7 +274,7 @@ def test_a_worker_on_an_unmigrated_database_says_to_migrate(pg_server: Any) -> N
 @pytest.mark.parametrize(
     ("action", "reason"),
     [
-        ("commit", "commit() forbidden within a Transaction context"),
+        ("commit", "ended the worker's transaction"),
         ("swallow", "left the transaction aborted"),
     ],
 )

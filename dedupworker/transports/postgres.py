@@ -43,7 +43,9 @@ class PostgresTransport:
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
         assert conn is not None, "the postgres transport claims inside the locked transaction"
-        row = conn.execute(sql.CLAIM, (self.queue,)).fetchone()
+        with conn.pipeline():  # psycopg's BEGIN and the claim in one round trip
+            cursor = conn.execute(sql.CLAIM, (self.queue,))
+        row = cursor.fetchone()
         if row is None:
             return None
         job_id, body, headers, attempts, contentions = row
