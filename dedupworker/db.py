@@ -63,7 +63,8 @@ def open_pool(
     dsn: str, size: int, timeout: float, *, pgbouncer: bool = False, name: str = "dedupworker"
 ) -> ConnectionPool[Any]:
     """A fixed-size pool, opened only after one connection proved the database reachable."""
-    kwargs = connection_kwargs(pgbouncer, name)
+    # Autocommit: the runner sends BEGIN/COMMIT itself (see dedupworker.runner).
+    kwargs = {**connection_kwargs(pgbouncer, name), "autocommit": True}
     connect(dsn, timeout, **kwargs).close()
     pool: ConnectionPool[Any] = ConnectionPool(
         dsn, min_size=size, max_size=size, kwargs=kwargs, open=False, name=name, timeout=timeout

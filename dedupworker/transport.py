@@ -29,9 +29,10 @@ class Delivery:
 class Transport(Protocol):
     """What a message source does for the worker; the worker decides, the transport obeys.
 
-    When `settles_in_transaction` is true (the postgres queue), `receive` claims inside the
-    transaction that also takes the entity lock, and the settling calls run in it before
-    commit; otherwise `conn` is None and settling happens after the transaction committed.
+    When `settles_in_transaction` is true (the postgres queue), `receive` begins the message's
+    transaction on `conn` (an autocommit connection) with its claim, the runner takes the entity
+    lock in it, and the settling calls run in it before COMMIT; otherwise `conn` is None and
+    settling happens after the transaction committed.
     """
 
     name: str

@@ -43,7 +43,8 @@ class PostgresTransport:
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
         assert conn is not None, "the postgres transport claims inside the locked transaction"
-        with conn.pipeline():  # psycopg's BEGIN and the claim in one round trip
+        with conn.pipeline():  # the message's transaction starts here, with the claim
+            conn.execute("BEGIN")
             cursor = conn.execute(sql.CLAIM, (self.queue,))
         row = cursor.fetchone()
         if row is None:
