@@ -1,13 +1,17 @@
 """Postgres-transport throughput: dedupworker vs a plain psycopg loop vs pgbench.
 
-All three run the same transaction per message on the same queue table:
+All three run the same transaction per message on the same queue table, in three round trips:
 
-    BEGIN; claim one job (FOR UPDATE SKIP LOCKED); pg_try_advisory_xact_lock(77, entity);
-    SAVEPOINT; RELEASE; DELETE the job; COMMIT
+    [BEGIN; claim one job (FOR UPDATE SKIP LOCKED)]
+    [pg_try_advisory_xact_lock(77, entity); SAVEPOINT]
+    [RELEASE; DELETE the job; COMMIT]
 
 A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process.
-B. plain psycopg: C threads, one connection each, the statements above in a loop.
-C. pgbench: the same statements as a custom script (-M prepared), the client-side ceiling.
+B. plain psycopg: C threads, one autocommit connection each, the statements above in a loop,
+   pipelined exactly as the runner does.
+C. pgbench: the same statements as a custom script (-M prepared), the database's ceiling;
+   pgbench cannot use gset inside a pipeline, so its BEGIN and claim are two round trips and the
+   other five statements one pipeline.
 
 Run from the repository root:  python bench/postgres_throughput.py --messages 20000
 """
@@ -55,11 +59,13 @@ WHERE queue = '{queue}' AND status = 'ready' AND run_at <= clock_timestamp()
 ORDER BY run_at, id
 LIMIT 1
 FOR UPDATE SKIP LOCKED \\gset
+\\startpipeline
 SELECT pg_try_advisory_xact_lock({namespace}, :entity);
 SAVEPOINT s;
 RELEASE SAVEPOINT s;
 DELETE FROM dedupworker.jobs WHERE id = :id;
 COMMIT;
+\\endpipeline
 """
 
 
@@ -240,20 +246,25 @@ def run_idle_worker(dsn: str, queue: str, concurrency: int) -> WorkerMeasure:
 
 
 def plain_step(conn: psycopg.Connection[Any], queue: str) -> bool:
-    """One transaction, statement for statement what the runner sends; False when empty."""
-    conn.execute("BEGIN")
-    row = conn.execute(sql.CLAIM, (queue,)).fetchone()
+    """One transaction, statement for statement and round trip for round trip the runner's."""
+    with conn.pipeline():
+        conn.execute("BEGIN")
+        claim = conn.execute(sql.CLAIM, (queue,))
+    row = claim.fetchone()
     if row is None:
-        conn.execute("COMMIT")
+        conn.execute("ROLLBACK")
         return False
     entity = json.loads(row[1])["entity"]
-    locked = conn.execute(LOCK, (NAMESPACE, entity)).fetchone()
+    with conn.pipeline():
+        lock = conn.execute(LOCK, (NAMESPACE, entity))
+        conn.execute("SAVEPOINT s")
+    locked = lock.fetchone()
     if not (locked and locked[0]):
         raise RuntimeError(f"entity {entity} was locked: entities must be distinct")
-    conn.execute("SAVEPOINT s")
-    conn.execute("RELEASE SAVEPOINT s")
-    conn.execute(sql.ACK, (row[0],))
-    conn.execute("COMMIT")
+    with conn.pipeline():
+        conn.execute("RELEASE SAVEPOINT s")
+        conn.execute(sql.ACK, (row[0],))
+        conn.execute("COMMIT")
     return True
 
 
