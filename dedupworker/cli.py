@@ -160,8 +160,8 @@ def _add_enqueue(sub: Any) -> None:
 def _add_locks(sub: Any) -> None:
     p = command(sub, "locks", help="advisory locks held and awaited, keys decoded")
     add_connect_options(p)
-    p.add_argument("--namespace", type=int, help="only this lock namespace")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_option(p, "--namespace", type=int, help="only this lock namespace")
+    add_option(p, "--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_locks)
 
 
@@ -170,13 +170,14 @@ def _add_dead(sub: Any) -> None:
     dead = p.add_subparsers(dest="dead_command", metavar="ACTION", required=True)
     ls = command(dead, "list", help="dead jobs with their errors")
     add_connect_options(ls)
-    ls.add_argument("--queue", help="only this queue")
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_option(ls, "--queue", help="only this queue")
+    add_option(ls, "--limit", type=int, default=50, help="at most this many jobs")
+    add_option(ls, "--json", action="store_true", help="one JSON object per line")
     ls.set_defaults(func=cmd_dead_list)
     rq = command(dead, "requeue", help="make dead jobs ready again (attempts reset)")
     add_connect_options(rq)
-    rq.add_argument("--queue", help="only this queue")
+    add_option(rq, "--queue", help="only this queue")
+    # Which jobs to replay is said on the command line only, never inherited from the environment.
     rq.add_argument("--id", type=int, action="append", dest="ids", help="job id (repeatable)")
     rq.add_argument("--all", action="store_true", help="every dead job (of --queue if given)")
     rq.set_defaults(func=cmd_dead_requeue)
@@ -185,9 +186,9 @@ def _add_dead(sub: Any) -> None:
 def _add_demo(sub: Any) -> None:
     p = command(sub, "demo", help="the whole idea on a private PostgreSQL, no setup")
     add_dsn(p)
-    p.add_argument("--workers", type=int, default=3, help="worker processes")
-    p.add_argument("--concurrency", type=int, default=4, help="handler threads per worker")
-    p.add_argument("--deliveries", type=int, default=300, help="webhook deliveries to enqueue")
+    add_option(p, "--workers", type=int, default=3, help="worker processes")
+    add_option(p, "--concurrency", type=int, default=4, help="handler threads per worker")
+    add_option(p, "--deliveries", type=int, default=300, help="webhook deliveries to enqueue")
     p.set_defaults(func=cmd_demo)
 
 

@@ -70,6 +70,11 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield connection
 
 
+def clean_env() -> dict[str, str]:
+    """The environment without DEDUPWORKER_* settings of whoever runs the tests."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("DEDUPWORKER_")}
+
+
 def cli(
     *args: str, stdin: str | None = None, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
@@ -80,7 +85,7 @@ def cli(
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, **(env or {})},
+        env={**clean_env(), **(env or {})},
         timeout=timeout,
         check=False,
     )

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from .conftest import ROOT, cli
+from .conftest import ROOT, clean_env, cli
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -28,17 +28,11 @@ def worker(dsn: str, handler: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "dedupworker", "run", handler, "--queue", "q", *args],
         cwd=ROOT,
-        env={**_env(), "DEDUPWORKER_DSN": dsn},
+        env={**clean_env(), "DEDUPWORKER_DSN": dsn},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 def scalar(conn: psycopg.Connection[Any], query: str) -> Any:
