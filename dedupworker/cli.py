@@ -140,7 +140,48 @@ def _add_run(sub: Any) -> None:
         "no prepared statements, no LISTEN (polling only)",
     )
     add_option(p, "--stats-file", help="write the final outcome counts as JSON here on exit")
+    _add_transport_options(p)
     p.set_defaults(func=cmd_run)
+
+
+def _add_transport_options(p: argparse.ArgumentParser) -> None:
+    add_option(
+        p,
+        "--dead-letter",
+        help="sqs: dead-letter queue URL (default: the redrive policy's); "
+        "kafka: dead-letter topic (default: <topic>.dlq)",
+    )
+    add_option(
+        p,
+        "--visibility-timeout",
+        type=float,
+        help="sqs: seconds a received message stays hidden (default: the queue's)",
+    )
+    add_option(p, "--bootstrap-servers", help="kafka: HOST:PORT[,HOST:PORT...]")
+    add_option(p, "--group-id", help="kafka: consumer group")
+    # Repeatable, so its environment variable is merged in _config (argparse cannot append
+    # to a default taken from the environment).
+    p.add_argument(
+        "-X",
+        "--kafka-option",
+        type=key_value,
+        action="append",
+        dest="kafka_options",
+        metavar="KEY=VALUE",
+        help="kafka: extra librdkafka setting, repeatable "
+        "[env: DEDUPWORKER_KAFKA_OPTION as KEY=VALUE,KEY=VALUE]",
+    )
+
+
+def key_value(text: str) -> list[tuple[str, str]]:
+    """`k=v` (or, from the environment, `k=v,k2=v2`) as a list of pairs."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
 
 
 def _add_migrate(sub: Any) -> None:
@@ -207,7 +248,23 @@ def _config(args: argparse.Namespace) -> Any:
         pgbouncer=args.pgbouncer,
         metrics_port=args.metrics_port,
         stats_file=args.stats_file,
+        dead_letter=args.dead_letter,
+        visibility_timeout=args.visibility_timeout,
+        bootstrap_servers=args.bootstrap_servers,
+        group_id=args.group_id,
+        kafka_options=_merge_pairs(args.kafka_options),
     )
+
+
+def _merge_pairs(from_flags: list[list[tuple[str, str]]] | None) -> dict[str, str]:
+    """Settings from DEDUPWORKER_KAFKA_OPTION, then each -X on the command line over them."""
+    try:
+        merged = dict(key_value(os.environ.get("DEDUPWORKER_KAFKA_OPTION", "")))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"DEDUPWORKER_KAFKA_OPTION: {exc}") from None
+    for pairs in from_flags or []:
+        merged.update(pairs)
+    return merged
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -20,7 +20,15 @@ class WorkerConfig:
     pgbouncer: bool = False
     metrics_port: int | None = None
     stats_file: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
+    # sqs: the dead-letter queue URL (default: the queue's redrive policy target);
+    # kafka: the dead-letter topic (default: "<topic>.dlq").
+    dead_letter: str | None = None
+    # sqs: seconds a received message stays invisible (default: the queue's setting).
+    visibility_timeout: float | None = None
+    # kafka
+    bootstrap_servers: str | None = None
+    group_id: str | None = None
+    kafka_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.dsn:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dedupworker.cli import build_parser
+from dedupworker import ConfigurationError
+from dedupworker.cli import _merge_pairs, build_parser
 
 from .conftest import cli
 
@@ -62,3 +63,16 @@ def test_logging_options_work_before_and_after_the_command() -> None:
     assert parser.parse_args(["migrate", "--log-level", "ERROR"]).log_level == "ERROR"
     assert parser.parse_args(["--log-level", "DEBUG", "migrate"]).log_level == "DEBUG"
     assert parser.parse_args(["migrate"]).log_level == "INFO"
+
+
+def test_kafka_options_merge_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEDUPWORKER_KAFKA_OPTION", "fetch.min.bytes=1,acks=all")
+    args = build_parser().parse_args(["run", "a:B", "-X", "acks=1", "-X", "linger.ms=5"])
+    assert _merge_pairs(args.kafka_options) == {
+        "fetch.min.bytes": "1",
+        "acks": "1",
+        "linger.ms": "5",
+    }
+    monkeypatch.setenv("DEDUPWORKER_KAFKA_OPTION", "oops")
+    with pytest.raises(ConfigurationError, match="'oops' is not KEY=VALUE"):
+        _merge_pairs(None)
