@@ -38,6 +38,9 @@ class Handler:
         multiplier=0.05, max=5.0
     )
     contention_budget: ClassVar[int | None] = 1000
+    # The dedup ledger's namespace for this handler's keys (default: the class name). Handlers
+    # that must not apply the same business key twice between them share one scope.
+    dedup_scope: ClassVar[str | None] = None
 
     @property
     def name(self) -> str:
@@ -51,6 +54,20 @@ class Handler:
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         """Do the work, inside the locked transaction on `conn`."""
         raise NotImplementedError(f"{type(self).__name__}.handle() is not implemented")
+
+    def dedup_key(self, message: Message) -> str | None:
+        """The key recorded as processed in the locked transaction; None opts out.
+
+        A message whose key is already recorded is acknowledged as a duplicate without
+        calling `handle`. Default: the transport's message id, except on the postgres queue,
+        whose jobs are deleted in the handler's own transaction and so never come back.
+        Override it with a business id (e.g. a delivery id) to drop producers' duplicates.
+        """
+        return None if message.transport == "postgres" else message.id
+
+    @property
+    def ledger_scope(self) -> str:
+        return self.dedup_scope or self.name
 
     def retry_delay(self, attempt: int) -> float:
         """Seconds to wait before delivery number `attempt + 1` after a failure."""

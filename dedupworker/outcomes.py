@@ -28,9 +28,16 @@ class Verdict:
     outcome: Outcome
     delay: float = 0.0
     reason: str = ""
+    # On success: the dedup key to record in the ledger, in the same transaction.
+    record: str | None = None
 
 
 SUCCEEDED = Verdict(Outcome.SUCCEEDED)
+DUPLICATE = Verdict(Outcome.DUPLICATE)
+
+
+def on_success(dedup_key: str | None) -> Verdict:
+    return SUCCEEDED if dedup_key is None else Verdict(Outcome.SUCCEEDED, record=dedup_key)
 
 
 def describe_error(exc: BaseException) -> str:

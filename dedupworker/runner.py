@@ -20,17 +20,18 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from . import metrics
+from . import metrics, sql
 from .handler import Handler
 from .keys import lock_key
 from .outcomes import (
-    SUCCEEDED,
+    DUPLICATE,
     Outcome,
     Verdict,
     carry_out,
     on_bad_entity,
     on_contended,
     on_failure,
+    on_success,
 )
 from .transport import Delivery, Transport
 
@@ -40,6 +41,7 @@ SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
 _OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+_KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
 
 
 class Runner:
@@ -51,6 +53,7 @@ class Runner:
         self.pool = pool
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
+        self._scope = handler.ledger_scope
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport.name)
         self._counted = {
             outcome: (
@@ -75,9 +78,10 @@ class Runner:
                 conn.execute("ROLLBACK")
                 return False
             verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
-            with conn.pipeline():  # end of savepoint + settlement + COMMIT: one round trip
+            with conn.pipeline():  # ledger + end of savepoint + settlement + COMMIT: one trip
+                self._record_processed(conn, verdict)
                 if in_savepoint:
-                    _end_savepoint(conn, keep=verdict.outcome is Outcome.SUCCEEDED)
+                    _end_savepoint(conn, keep=verdict.outcome in _KEPT)
                 carry_out(self.transport, delivery, verdict, conn)
                 conn.execute("COMMIT")
         self._record(delivery, verdict, started)
@@ -90,7 +94,9 @@ class Runner:
         with self.pool.connection() as conn:
             # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
             verdict, _, started = self._process(delivery, conn, savepoint=False)
-            conn.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
+            with conn.pipeline():
+                self._record_processed(conn, verdict)
+                conn.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
         carry_out(self.transport, delivery, verdict, None)
         self._record(delivery, verdict, started)
         return True
@@ -118,18 +124,28 @@ class Runner:
             key = lock_key(
                 handler.lock_namespace, handler.entity_id(message), handler.lock_key_mode
             )
+            dedup_key = handler.dedup_key(message)
         except Exception as exc:
             return on_bad_entity(exc), False
-        with conn.pipeline():  # lock + SAVEPOINT (+ BEGIN): one round trip
+        with conn.pipeline():  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
             if conn.info.transaction_status == TransactionStatus.IDLE:
                 conn.execute("BEGIN")
             cursor = conn.execute(key.sql, key.params)
             if savepoint:
                 # After the lock: rolling the savepoint back must not release the lock.
                 conn.execute(SAVEPOINT)
+            # A plain read: it never waits, and under the lock it sees every committed
+            # call for this entity.
+            seen = (
+                None
+                if dedup_key is None
+                else conn.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
+            )
         row = cursor.fetchone()
         if not (row and row[0]):
             return on_contended(handler, delivery), savepoint
+        if seen is not None and _true(seen):
+            return DUPLICATE, savepoint
         try:
             handler.handle(message, conn)
             _check_transaction(conn)
@@ -138,7 +154,11 @@ class Runner:
                 raise
             still_open = conn.info.transaction_status in _OPEN
             return on_failure(handler, delivery, exc), savepoint and still_open
-        return SUCCEEDED, savepoint
+        return on_success(dedup_key), savepoint
+
+    def _record_processed(self, conn: psycopg.Connection[Any], verdict: Verdict) -> None:
+        if verdict.record is not None:
+            conn.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
 
     def _record(self, delivery: Delivery, verdict: Verdict, started: float) -> None:
         elapsed = time.perf_counter() - started
@@ -190,6 +210,11 @@ def _check_transaction(conn: psycopg.Connection[Any]) -> None:
             "handle() ended the worker's transaction (commit or rollback), which released the "
             "entity lock early; use `with conn.transaction():` for nested blocks"
         )
+
+
+def _true(cursor: psycopg.Cursor[Any]) -> bool:
+    row = cursor.fetchone()
+    return bool(row and row[0])
 
 
 def _end_savepoint(conn: psycopg.Connection[Any], keep: bool) -> None:

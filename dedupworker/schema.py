@@ -31,7 +31,29 @@ CREATE INDEX jobs_dead_idx ON dedupworker.jobs (queue, dead_at) WHERE status = '
 COMMENT ON COLUMN dedupworker.jobs.attempts IS 'failed attempts so far (contention excluded)';
 """
 
-MIGRATIONS: tuple[tuple[int, str, str], ...] = ((1, "jobs table", _JOBS),)
+_LEDGER = """
+CREATE TABLE dedupworker.processed (
+    scope        text        NOT NULL,
+    key          text        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (scope, key)
+);
+CREATE INDEX processed_at_idx ON dedupworker.processed (processed_at);
+CREATE TABLE dedupworker.singleton_runs (
+    name        text        NOT NULL,
+    tick        bigint      NOT NULL,
+    finished_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    worker      text        NOT NULL,
+    PRIMARY KEY (name, tick)
+);
+CREATE INDEX singleton_runs_finished_idx ON dedupworker.singleton_runs (finished_at);
+"""
+
+# Append only: a released version's migration never changes (see docs/migrations.md).
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (1, "jobs table", _JOBS),
+    (2, "dedup ledger and singleton runs", _LEDGER),
+)
 
 
 def migrate(conn: psycopg.Connection[Any]) -> list[int]:

@@ -85,3 +85,28 @@ WHERE l.locktype = 'advisory'
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid
 """
+
+DEDUP_SEEN = """
+SELECT EXISTS (SELECT 1 FROM dedupworker.processed WHERE scope = %s AND key = %s)
+"""
+
+# No ON CONFLICT: if a concurrent transaction recorded the same key first (two entities
+# sharing one dedup key), the unique violation rolls this one back and the redelivery
+# is then acknowledged as a duplicate: the handler's writes still apply once.
+DEDUP_RECORD = "INSERT INTO dedupworker.processed (scope, key) VALUES (%s, %s)"
+
+PURGE_PROCESSED = """
+DELETE FROM dedupworker.processed
+WHERE ctid = ANY (ARRAY(
+    SELECT ctid FROM dedupworker.processed
+    WHERE processed_at < clock_timestamp() - make_interval(secs => %s)
+    LIMIT %s))
+"""
+
+PURGE_DEAD = """
+DELETE FROM dedupworker.jobs
+WHERE ctid = ANY (ARRAY(
+    SELECT ctid FROM dedupworker.jobs
+    WHERE status = 'dead' AND dead_at < clock_timestamp() - make_interval(secs => %s)
+    LIMIT %s))
+"""

@@ -37,3 +37,23 @@ class StartedAndFinished(Handler):
             " VALUES (%s, %s, %s, now(), clock_timestamp())",
             (str(self.entity_id(message)), message.id, os.getpid()),
         )
+
+
+class ApplyOnce(Handler):
+    """Applies a delivery by appending a row; the dedup ledger must keep it to one row each."""
+
+    lock_namespace = 42
+
+    def entity_id(self, message: Message) -> int | str:
+        # Deliberately coarse: ten accounts, so duplicates usually meet under one lock.
+        account: int = message.json()["account"]
+        return account
+
+    def dedup_key(self, message: Message) -> str | None:
+        return str(message.json()["delivery_id"])
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        conn.execute(
+            "INSERT INTO test_applied (delivery_id, pid) VALUES (%s, %s)",
+            (message.json()["delivery_id"], os.getpid()),
+        )
