@@ -17,6 +17,7 @@ from .message import Message
 from .outcomes import Outcome
 from .producer import enqueue
 from .schema import migrate
+from .singleton import Singleton
 from .worker import Worker
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "Reject",
     "RetryLater",
     "SchemaMissing",
+    "Singleton",
     "TransportError",
     "Worker",
     "WorkerConfig",

@@ -95,8 +95,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument(
         "handlers",
         nargs="+",
-        metavar="MODULE:HANDLER",
-        help="handler classes, e.g. myservice.handlers:DeliverWebhook",
+        metavar="MODULE:CLASS",
+        help="Handler (and Singleton) classes, e.g. myservice.handlers:DeliverWebhook",
     )
     add_option(
         p,
@@ -140,6 +140,20 @@ def _add_run(sub: Any) -> None:
         "no prepared statements, no LISTEN (polling only)",
     )
     add_option(p, "--stats-file", help="write the final outcome counts as JSON here on exit")
+    add_option(
+        p,
+        "--ledger-retention",
+        type=float,
+        default=7 * 86400.0,
+        help="seconds to keep dedup keys in the ledger",
+    )
+    add_option(
+        p,
+        "--dead-retention",
+        type=float,
+        default=14 * 86400.0,
+        help="seconds to keep dead jobs (0: forever)",
+    )
     _add_transport_options(p)
     p.set_defaults(func=cmd_run)
 
@@ -248,6 +262,8 @@ def _config(args: argparse.Namespace) -> Any:
         pgbouncer=args.pgbouncer,
         metrics_port=args.metrics_port,
         stats_file=args.stats_file,
+        ledger_retention=args.ledger_retention,
+        dead_retention=args.dead_retention,
         dead_letter=args.dead_letter,
         visibility_timeout=args.visibility_timeout,
         bootstrap_servers=args.bootstrap_servers,
@@ -268,12 +284,17 @@ def _merge_pairs(from_flags: list[list[tuple[str, str]]] | None) -> dict[str, st
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .handler import load_handler
+    from .handler import Handler, load_class, validate_handler
+    from .singleton import Singleton
     from .worker import Worker
 
     config = _config(args)
-    handlers = [load_handler(path) for path in args.handlers]
-    return Worker(handlers, config).run()
+    loaded = [load_class(path, (Handler, Singleton)) for path in args.handlers]
+    handlers = [obj for obj in loaded if isinstance(obj, Handler)]
+    for handler in handlers:
+        validate_handler(handler)
+    singletons = [obj for obj in loaded if isinstance(obj, Singleton)]
+    return Worker(handlers, config, singletons).run()
 
 
 def _connect(args: argparse.Namespace) -> Any:

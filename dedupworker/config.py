@@ -20,6 +20,9 @@ class WorkerConfig:
     pgbouncer: bool = False
     metrics_port: int | None = None
     stats_file: str | None = None
+    # Seconds to keep dedup keys (the ledger) and dead jobs; 0 keeps dead jobs forever.
+    ledger_retention: float = 7 * 86400.0
+    dead_retention: float = 14 * 86400.0
     # sqs: the dead-letter queue URL (default: the queue's redrive policy target);
     # kafka: the dead-letter topic (default: "<topic>.dlq").
     dead_letter: str | None = None
@@ -41,5 +44,9 @@ class WorkerConfig:
             if getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
+        if self.ledger_retention <= 0 or self.dead_retention < 0:
+            raise ConfigurationError(
+                "--ledger-retention must be > 0 and --dead-retention >= 0 seconds"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigurationError(f"--metrics-port must be 0..65535, got {self.metrics_port}")

@@ -118,24 +118,31 @@ _EXAMPLE = "dedupworker run myservice.handlers:DeliverWebhook"
 
 def load_handler(path: str) -> Handler:
     """Import `package.module:HandlerClass`, instantiate it and validate its settings."""
+    handler = load_class(path, (Handler,))
+    assert isinstance(handler, Handler)
+    validate_handler(handler)
+    return handler
+
+
+def load_class(path: str, bases: tuple[type, ...]) -> Any:
+    """Import `package.module:Class`, check it subclasses one of `bases`, instantiate it."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise HandlerNotFound(f"{path!r} is not of the form module:Class, e.g. `{_EXAMPLE}`")
     module = _import(module_name, path)
     obj = getattr(module, attr, None)
+    kinds = " or ".join(f"dedupworker.{base.__name__}" for base in bases)
     if obj is None:
         found = sorted(
             name
             for name, value in vars(module).items()
-            if inspect.isclass(value) and issubclass(value, Handler) and value is not Handler
+            if inspect.isclass(value) and issubclass(value, bases) and value not in bases
         )
-        hint = f"; handlers found there: {', '.join(found)}" if found else ""
+        hint = f"; found there: {', '.join(found)}" if found else ""
         raise HandlerNotFound(f"module {module_name!r} has no attribute {attr!r}{hint}")
-    if not (inspect.isclass(obj) and issubclass(obj, Handler)):
-        raise HandlerNotFound(f"{path!r} is not a subclass of dedupworker.Handler")
-    handler = obj()
-    validate_handler(handler)
-    return handler
+    if not (inspect.isclass(obj) and issubclass(obj, bases)):
+        raise HandlerNotFound(f"{path!r} is not a subclass of {kinds}")
+    return obj()
 
 
 def _import(module_name: str, path: str) -> Any:

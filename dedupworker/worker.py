@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import ThreadingHTTPServer
 from types import FrameType
 from typing import Any
@@ -23,6 +23,7 @@ from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
 from .runner import Runner
+from .singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
 from .transport import load_transport
 
 log = logging.getLogger("dedupworker")
@@ -33,10 +34,18 @@ ERROR_BACKOFF_MAX = 10.0
 class Worker:
     """Runs each handler on `concurrency` threads until stopped (or drained)."""
 
-    def __init__(self, handlers: list[Handler], config: WorkerConfig) -> None:
-        if not handlers:
+    def __init__(
+        self,
+        handlers: list[Handler],
+        config: WorkerConfig,
+        singletons: Sequence[Singleton] = (),
+    ) -> None:
+        if not handlers and not singletons:
             raise ConfigurationError("no handler given: name one as module:Class")
         self.handlers = handlers
+        # The built-in retention jobs run in every worker; one replica does each tick.
+        self.singletons = [*singletons, PurgeLedger(), PurgeDead()]
+        self.scheduler: Scheduler | None = None
         self.config = config
         self.stop_event = threading.Event()
         self.runners: list[Runner] = []
@@ -55,7 +64,7 @@ class Worker:
         return str(queue or self.config.queue)
 
     def setup(self) -> None:
-        size = self.config.concurrency * len(self.handlers)
+        size = self.config.concurrency * len(self.handlers) + 1  # +1: the scheduler
         self._pool = open_pool(
             self.config.dsn,
             size,
@@ -67,6 +76,7 @@ class Worker:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
             self.runners.append(Runner(handler, transport, self._pool))
+        self.scheduler = Scheduler(self.singletons, self.config, self._pool)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or until drained with --drain); returns the exit code."""
@@ -85,8 +95,12 @@ class Worker:
             for thread in threads:
                 thread.daemon = True
                 thread.start()
-            while any(t.is_alive() for t in threads) and not self.stop_event.wait(0.2):
-                pass
+            if self.scheduler is not None:
+                self.scheduler.start()
+            # Without handlers (singletons only) the worker serves until it is stopped.
+            while not self.stop_event.wait(0.2):
+                if threads and not any(t.is_alive() for t in threads):
+                    break
             abandoned = self._join(threads)
         self.close(wait=not abandoned)
         self._report()
@@ -115,6 +129,8 @@ class Worker:
                 wake()
 
     def close(self, wait: bool = True) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
         for runner in self.runners:
             runner.transport.close()
         if self._pool is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import Handler, Message
+from dedupworker import Handler, Message, Singleton, WorkerConfig
 
 
 class StartedAndFinished(Handler):
@@ -57,3 +57,19 @@ class ApplyOnce(Handler):
             "INSERT INTO test_applied (delivery_id, pid) VALUES (%s, %s)",
             (message.json()["delivery_id"], os.getpid()),
         )
+
+
+class TickRecorder(Singleton):
+    """Every second: notes its start outside the transaction, then records the tick in it."""
+
+    every = 1.0
+
+    def __init__(self) -> None:
+        self._side = psycopg.connect(os.environ["DEDUPWORKER_DSN"], autocommit=True)
+
+    def run(self, conn: psycopg.Connection[Any], tick: int, config: WorkerConfig) -> None:
+        self._side.execute(
+            "INSERT INTO test_tick_starts (tick, pid) VALUES (%s, %s)", (tick, os.getpid())
+        )
+        time.sleep(0.4)
+        conn.execute("INSERT INTO test_ticks (tick, pid) VALUES (%s, %s)", (tick, os.getpid()))

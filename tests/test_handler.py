@@ -27,7 +27,7 @@ def test_load_handler_imports_module_and_class() -> None:
         ("examples.recorder", "module:Class"),
         (":RecordCalls", "module:Class"),
         ("no_such_module_xyz:H", "cannot import module 'no_such_module_xyz'"),
-        ("examples.recorder:Nope", "handlers found there: RecordCalls"),
+        ("examples.recorder:Nope", "found there: RecordCalls"),
         ("examples.recorder:Message", "not a subclass of dedupworker.Handler"),
     ],
 )
