@@ -198,3 +198,34 @@ def test_the_demo_runs_to_its_summary_on_a_private_postgres() -> None:
     assert "PostgreSQL: local PostgreSQL binaries" in result.stdout
     assert "0 overlapping calls for one endpoint" in result.stdout
     assert "dead-lettered   3, each with its reason" in result.stdout
+
+
+def test_two_concurrent_migrate_commands_on_an_empty_database(pg_server: Any) -> None:
+    with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+        admin.execute("CREATE DATABASE concurrent_migrate")
+    fresh = pg_server.dsn.rsplit("/", 1)[0] + "/concurrent_migrate"
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dedupworker", "migrate", "--dsn", fresh],
+                env=clean_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        outputs = sorted(proc.communicate(timeout=60)[0].strip() for proc in procs)
+        assert [proc.returncode for proc in procs] == [0, 0]
+        assert outputs == ["applied migrations [1, 2]", "schema is up to date"]
+        with psycopg.connect(fresh) as conn:
+            versions = conn.execute(
+                "SELECT version FROM dedupworker.schema_migrations ORDER BY version"
+            ).fetchall()
+            tables = conn.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = 'dedupworker'"
+            ).fetchone()
+        assert versions == [(1,), (2,)] and tables == (4,)
+    finally:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as admin:
+            admin.execute("DROP DATABASE concurrent_migrate WITH (FORCE)")
