@@ -84,7 +84,17 @@ def migrate(conn: psycopg.Connection[Any]) -> list[int]:
 
 
 def check_schema(conn: psycopg.Connection[Any]) -> None:
-    """Fail early, and say how to fix it, when `dedupworker migrate` has not run."""
-    row = conn.execute("SELECT to_regclass('dedupworker.jobs') IS NOT NULL").fetchone()
+    """Fail early, and say how to fix it, when the schema is missing or older than this code."""
+    needed = MIGRATIONS[-1][0]
+    row = conn.execute("SELECT to_regclass('dedupworker.schema_migrations') IS NOT NULL").fetchone()
     if not (row and row[0]):
         raise SchemaMissing()
+    row = conn.execute(
+        "SELECT coalesce(max(version), 0) FROM dedupworker.schema_migrations"
+    ).fetchone()
+    version = row[0] if row else 0
+    if version < needed:
+        raise SchemaMissing(
+            f"the dedupworker schema is at version {version} and this version needs {needed}: "
+            "run `dedupworker migrate --dsn ...` (see docs/migrations.md for the upgrade order)"
+        )

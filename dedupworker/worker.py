@@ -23,6 +23,7 @@ from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
 from .runner import Runner
+from .schema import check_schema
 from .singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
 from .transport import load_transport
 
@@ -72,6 +73,8 @@ class Worker:
             pgbouncer=self.config.pgbouncer,
             name="dedupworker:" + ",".join(h.name for h in self.handlers),
         )
+        with self._pool.connection() as conn:
+            check_schema(conn)
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)

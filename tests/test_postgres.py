@@ -11,7 +11,16 @@ import psycopg
 import pytest
 import tenacity
 
-from dedupworker import Handler, Message, Reject, RetryLater, WorkerConfig, enqueue, migrate
+from dedupworker import (
+    Handler,
+    Message,
+    Reject,
+    RetryLater,
+    Worker,
+    WorkerConfig,
+    enqueue,
+    migrate,
+)
 from dedupworker.db import open_pool
 from dedupworker.errors import SchemaMissing
 from dedupworker.runner import Runner
@@ -264,35 +273,16 @@ def test_migrate_on_an_empty_database_applies_every_version(pg_server: Any) -> N
 
 
 def test_a_worker_on_an_unmigrated_database_says_to_migrate(pg_server: Any) -> None:
-    pool = open_pool(pg_server.dsn, 1, 5)
-    try:
-        with pytest.raises(SchemaMissing, match="dedupworker migrate"):
-            PostgresTransport(WorkerConfig(dsn=pg_server.dsn), pool)
-    finally:
-        pool.close()
+    worker = Worker([Scripted()], WorkerConfig(dsn=pg_server.dsn))
+    with pytest.raises(SchemaMissing, match="dedupworker migrate"):
+        worker.setup()
+    worker.close()
 
 
-@pytest.mark.parametrize(
-    ("action", "reason"),
-    [
-        ("commit", "ended the worker's transaction"),
-        ("swallow", "left the transaction aborted"),
-    ],
-)
-def test_a_handler_that_breaks_the_transaction_fails_with_the_reason(
-    runner: Runner, conn: psycopg.Connection[Any], action: str, reason: str
-) -> None:
-    enqueue(conn, "q", [{"entity": 3, "do": action}])
-    runner.step()
-    state = job(conn)
-    assert (state["status"], state["attempts"]) == ("ready", 1)
-    assert reason in state["last_error"]
-
-
-def test_nested_blocks_and_copy_work_inside_the_handler(
-    runner: Runner, conn: psycopg.Connection[Any]
-) -> None:
-    enqueue(conn, "q", [{"entity": 3, "do": "nested"}, {"entity": 4, "do": "copy"}])
-    assert runner.step() and runner.step()
-    assert runner.stats == {"succeeded": 2}
-    assert conn.execute("SELECT * FROM example_balances").fetchall() == [(2, 5)]
+def test_a_worker_on_an_older_schema_names_both_versions(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM dedupworker.schema_migrations WHERE version > 1")
+    worker = Worker([Scripted()], WorkerConfig(dsn=dsn))
+    with pytest.raises(SchemaMissing, match="at version 1 and this version needs 2"):
+        worker.setup()
+    worker.close()

@@ -13,7 +13,6 @@ from .. import sql
 from ..config import WorkerConfig
 from ..db import connection_kwargs
 from ..message import Message
-from ..schema import check_schema
 from ..transport import Delivery
 
 log = logging.getLogger("dedupworker")
@@ -29,8 +28,6 @@ class PostgresTransport:
         self.config = config
         self.queue = config.queue
         self.pool = pool
-        with pool.connection() as conn:
-            check_schema(conn)
         self._wakeup = threading.Condition()
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
