@@ -1,5 +1,6 @@
 """dedupworker: queue and webhook workers that never process the same entity twice at once."""
 
+from ._version import __version__
 from .config import WorkerConfig
 from .errors import (
     ConfigurationError,
@@ -19,8 +20,6 @@ from .producer import enqueue
 from .schema import migrate
 from .singleton import Singleton
 from .worker import Worker
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .errors import ConfigurationError, DedupWorkerError
 
 Command = Callable[[argparse.Namespace], int]

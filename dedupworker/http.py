@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,7 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
 def serve(
-    port: int, healthy: Callable[[], bool], ready: Callable[[], bool], host: str = "0.0.0.0"
+    port: int,
+    healthy: Callable[[], bool],
+    ready: Callable[[], bool],
+    hot: Callable[[], object],
+    host: str = "0.0.0.0",
 ) -> ThreadingHTTPServer:
     """Start the endpoint on a daemon thread; port 0 picks a free port (see server_port)."""
 
@@ -22,8 +27,10 @@ def serve(
                 self._probe(healthy)
             elif self.path.startswith("/readyz"):
                 self._probe(ready)
+            elif self.path.startswith("/hot"):
+                self._send(200, json.dumps(hot()).encode(), "application/json")
             else:
-                self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
+                self._send(404, b"not found: try /metrics, /healthz, /readyz or /hot\n")
 
         def _probe(self, check: Callable[[], bool]) -> None:
             try:

@@ -22,6 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from . import metrics, sql
 from .handler import Handler
+from .hot import HotEntities
 from .keys import lock_key
 from .outcomes import (
     DUPLICATE,
@@ -42,18 +43,29 @@ ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
 _OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
+GIVE_BACK_DELAY = 1.0
 
 
 class Runner:
     """Runs one handler over one transport; every call happens in its own locked transaction."""
 
-    def __init__(self, handler: Handler, transport: Transport, pool: ConnectionPool[Any]):
+    def __init__(
+        self,
+        handler: Handler,
+        transport: Transport,
+        pool: ConnectionPool[Any],
+        observe: bool = True,
+    ):
         self.handler = handler
         self.transport = transport
         self.pool = pool
+        # Prometheus recording costs per message; skipped when nothing serves /metrics.
+        self.observe = observe
+        self.hot = HotEntities()
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
         self._scope = handler.ledger_scope
+        self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport.name)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport.name)
         self._counted = {
             outcome: (
@@ -91,12 +103,18 @@ class Runner:
         delivery = self.transport.receive(None)
         if delivery is None:
             return False
-        with self.pool.connection() as conn:
-            # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
-            verdict, _, started = self._process(delivery, conn, savepoint=False)
-            with conn.pipeline():
-                self._record_processed(conn, verdict)
-                conn.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
+        try:
+            with self.pool.connection() as conn:
+                # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
+                verdict, _, started = self._process(delivery, conn, savepoint=False)
+                with conn.pipeline():
+                    self._record_processed(conn, verdict)
+                    conn.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
+        except Exception:
+            # The database failed, not the message: hand it back, or a kafka transport would
+            # hold its key and its partition's commits until a restart.
+            self.transport.requeue(delivery, GIVE_BACK_DELAY, None, contended=True)
+            raise
         carry_out(self.transport, delivery, verdict, None)
         self._record(delivery, verdict, started)
         return True
@@ -104,13 +122,15 @@ class Runner:
     def _process(
         self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
     ) -> tuple[Verdict, bool, float]:
-        self._in_flight.inc()
+        if self.observe:
+            self._in_flight.inc()
         try:
             started = time.perf_counter()
             verdict, in_savepoint = self.decide(delivery, conn, savepoint)
             return verdict, in_savepoint, started
         finally:
-            self._in_flight.dec()
+            if self.observe:
+                self._in_flight.dec()
 
     def decide(
         self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
@@ -127,6 +147,7 @@ class Runner:
             dedup_key = handler.dedup_key(message)
         except Exception as exc:
             return on_bad_entity(exc), False
+        delivery.entity = key.describe()
         with conn.pipeline():  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
             if conn.info.transaction_status == TransactionStatus.IDLE:
                 conn.execute("BEGIN")
@@ -156,15 +177,23 @@ class Runner:
             return on_failure(handler, delivery, exc), savepoint and still_open
         return on_success(dedup_key), savepoint
 
+    def _observe(self, delivery: Delivery, verdict: Verdict, elapsed: float) -> None:
+        counter, histogram = self._counted[verdict.outcome]
+        counter.inc()
+        histogram.observe(elapsed)
+        if verdict.outcome is Outcome.SUCCEEDED and delivery.contended_since is not None:
+            self._lock_wait.observe(max(0.0, time.time() - delivery.contended_since))
+
     def _record_processed(self, conn: psycopg.Connection[Any], verdict: Verdict) -> None:
         if verdict.record is not None:
             conn.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
 
     def _record(self, delivery: Delivery, verdict: Verdict, started: float) -> None:
         elapsed = time.perf_counter() - started
-        counter, histogram = self._counted[verdict.outcome]
-        counter.inc()
-        histogram.observe(elapsed)
+        if verdict.outcome is Outcome.CONTENDED:
+            self.hot.add(delivery.entity)
+        if self.observe:
+            self._observe(delivery, verdict, elapsed)
         outcome = verdict.outcome.value
         with self._stats_lock:
             self.stats[outcome] += 1
@@ -184,6 +213,7 @@ class Runner:
                 "handler": self.handler.name,
                 "transport": self.transport.name,
                 "message_id": message.id,
+                "entity": delivery.entity,
                 "outcome": outcome,
                 "attempt": message.attempt,
                 "duration_seconds": round(elapsed, 6),

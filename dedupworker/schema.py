@@ -53,6 +53,11 @@ CREATE INDEX singleton_runs_finished_idx ON dedupworker.singleton_runs (finished
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "jobs table", _JOBS),
     (2, "dedup ledger and singleton runs", _LEDGER),
+    (
+        3,
+        "first contention time",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN contended_since timestamptz",
+    ),
 )
 
 

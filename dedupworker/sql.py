@@ -5,7 +5,7 @@ from __future__ import annotations
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
 CLAIM = """
-SELECT id, body, headers, attempts, contentions
+SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8
 FROM dedupworker.jobs
 WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
 ORDER BY run_at, id
@@ -17,7 +17,8 @@ ACK = "DELETE FROM dedupworker.jobs WHERE id = %s"
 
 REQUEUE_CONTENDED = """
 UPDATE dedupworker.jobs
-SET run_at = clock_timestamp() + make_interval(secs => %s), contentions = contentions + 1
+SET run_at = clock_timestamp() + make_interval(secs => %s), contentions = contentions + 1,
+    contended_since = coalesce(contended_since, clock_timestamp())
 WHERE id = %s
 """
 
@@ -109,4 +110,13 @@ WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM dedupworker.jobs
     WHERE status = 'dead' AND dead_at < clock_timestamp() - make_interval(secs => %s)
     LIMIT %s))
+"""
+
+QUEUE_DEPTH = """
+SELECT CASE WHEN status = 'dead' THEN 'dead'
+            WHEN run_at <= clock_timestamp() THEN 'ready' ELSE 'delayed' END AS state,
+       count(*)
+FROM dedupworker.jobs
+WHERE queue = %s
+GROUP BY 1
 """

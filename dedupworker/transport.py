@@ -24,6 +24,10 @@ class Delivery:
     message: Message
     contentions: int = 0
     receipt: Any = None
+    # Unix time of the message's first contention, if it met one (for the lock-wait metric).
+    contended_since: float | None = None
+    # "namespace:key" once the runner computed it, for logs.
+    entity: str = ""
 
 
 class Transport(Protocol):

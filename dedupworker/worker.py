@@ -17,6 +17,8 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
+from . import metrics
+from ._version import __version__
 from .config import WorkerConfig
 from .db import open_pool
 from .errors import ConfigurationError
@@ -30,6 +32,9 @@ from .transport import load_transport
 log = logging.getLogger("dedupworker")
 
 ERROR_BACKOFF_MAX = 10.0
+STUCK_AFTER = 300.0
+DEPTH_INTERVAL = 15.0
+HOT_LOG_INTERVAL = 60.0
 
 
 class Worker:
@@ -54,6 +59,8 @@ class Worker:
         self.last_progress = time.monotonic()
         self._pool: ConnectionPool[Any] | None = None
         self._threads: list[threading.Thread] = []
+        self._next_depth = 0.0
+        self._next_hot_log = time.monotonic() + HOT_LOG_INTERVAL
         self.http: ThreadingHTTPServer | None = None
 
     def queue_for(self, handler: Handler) -> str:
@@ -78,14 +85,20 @@ class Worker:
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
-            self.runners.append(Runner(handler, transport, self._pool))
+            self.runners.append(Runner(handler, transport, self._pool, self.observing))
+        if self.observing:
+            metrics.POOLS.add(self._pool)
+            info = (__version__, self.config.transport, str(self.config.concurrency))
+            metrics.WORKER_INFO.labels(*info).set(1)
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or until drained with --drain); returns the exit code."""
         self.setup()
         if self.config.metrics_port is not None:
-            self.http = serve(self.config.metrics_port, self.is_healthy, self.is_ready)
+            self.http = serve(
+                self.config.metrics_port, self.is_healthy, self.is_ready, self.hot_entities
+            )
         with _on_stop(self.stop):
             threads = [
                 threading.Thread(
@@ -104,13 +117,25 @@ class Worker:
             while not self.stop_event.wait(0.2):
                 if threads and not any(t.is_alive() for t in threads):
                     break
+                self._housekeeping()
             abandoned = self._join(threads)
         self.close(wait=not abandoned)
         self._report()
         return 1 if abandoned else 0
 
+    @property
+    def observing(self) -> bool:
+        return self.config.metrics_port is not None
+
     def is_healthy(self) -> bool:
-        return self.stop_event.is_set() or all(t.is_alive() for t in self._threads)
+        """Alive: every handler thread runs and one went round its loop in the last 5 min."""
+        if self.stop_event.is_set():
+            return True
+        stuck = time.monotonic() - self.last_progress > STUCK_AFTER
+        return all(t.is_alive() for t in self._threads) and not (self._threads and stuck)
+
+    def hot_entities(self) -> dict[str, list[tuple[str, float]]]:
+        return {runner.handler.name: runner.hot.top() for runner in self.runners}
 
     def is_ready(self) -> bool:
         if self._pool is None:
@@ -168,12 +193,30 @@ class Worker:
                 self.stop_event.wait(delay)
                 continue
             self.last_progress = time.monotonic()
+            if self.observing:
+                metrics.HEARTBEAT.set(time.time())
             if worked:
                 continue
             if self.config.drain and self._drained():
                 self.stop_event.set()
                 break
             runner.transport.wait_for_work(self.stop_event, self.config.poll_interval)
+
+    def _housekeeping(self) -> None:
+        """From the main thread: queue depth every 15 s, hot entities in the log every 60 s."""
+        now = time.monotonic()
+        if self.observing and now >= self._next_depth:
+            self._next_depth = now + DEPTH_INTERVAL
+            for runner in self.runners:
+                observe = getattr(runner.transport, "observe_depth", None)
+                with contextlib.suppress(Exception):
+                    if observe is not None:
+                        observe()
+        if now >= self._next_hot_log:
+            self._next_hot_log = now + HOT_LOG_INTERVAL
+            for name, top in self.hot_entities().items():
+                if top:
+                    log.info("most contended entities of %s: %s", name, top[:5])
 
     def _drained(self) -> bool:
         return all(runner.transport.is_drained() for runner in self.runners)

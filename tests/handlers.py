@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import psycopg
+import tenacity
 
 from dedupworker import Handler, Message, Singleton, WorkerConfig
 
@@ -73,3 +74,19 @@ class TickRecorder(Singleton):
         )
         time.sleep(0.4)
         conn.execute("INSERT INTO test_ticks (tick, pid) VALUES (%s, %s)", (tick, os.getpid()))
+
+
+class MetricsProbe(Handler):
+    """{"entity": ..., "fail_first": bool}: fails its first attempt when asked to."""
+
+    lock_namespace = 43
+    retry_backoff = tenacity.wait_fixed(0.05)
+    contention_backoff = tenacity.wait_fixed(0.05)
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        if message.json().get("fail_first") and message.attempt == 1:
+            raise RuntimeError("first attempt fails")

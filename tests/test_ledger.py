@@ -42,7 +42,7 @@ def test_every_delivery_applies_once_however_often_it_is_sent(
     workers = [
         Worker(
             [load_handler("tests.handlers:ApplyOnce")],
-            WorkerConfig(dsn=dsn, queue="q", concurrency=2, drain=True),
+            WorkerConfig(dsn=dsn, queue="q", concurrency=2, drain=True, metrics_port=0),
         )
         for _ in range(4)
     ]

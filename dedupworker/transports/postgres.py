@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from .. import sql
+from .. import metrics, sql
 from ..config import WorkerConfig
 from ..db import connection_kwargs
 from ..message import Message
@@ -46,7 +46,7 @@ class PostgresTransport:
         row = cursor.fetchone()
         if row is None:
             return None
-        job_id, body, headers, attempts, contentions = row
+        job_id, body, headers, attempts, contentions, contended_since = row
         message = Message(
             id=str(job_id),
             body=bytes(body),
@@ -54,7 +54,9 @@ class PostgresTransport:
             attempt=attempts + 1,
             transport=self.name,
         )
-        return Delivery(message, contentions=contentions, receipt=job_id)
+        return Delivery(
+            message, contentions=contentions, receipt=job_id, contended_since=contended_since
+        )
 
     def ack(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
         _require(conn).execute(sql.ACK, (delivery.receipt,))
@@ -94,6 +96,13 @@ class PostgresTransport:
     def wake_all(self) -> None:
         with self._wakeup:
             self._wakeup.notify_all()
+
+    def observe_depth(self) -> None:
+        """Set dedupworker_queue_depth for this queue (ready, delayed, dead)."""
+        with self.pool.connection() as conn:
+            counts = dict(conn.execute(sql.QUEUE_DEPTH, (self.queue,)).fetchall())
+        for state in ("ready", "delayed", "dead"):
+            metrics.QUEUE_DEPTH.labels(self.name, self.queue, state).set(counts.get(state, 0))
 
     def is_drained(self) -> bool:
         """Nothing ready, delayed or in flight (claimed rows exist until their commit)."""
