@@ -209,14 +209,16 @@ def _gone(conn: psycopg.Connection[Any], low: int, high: int) -> bool:
     return bool(row and row[0])
 
 
-def spawn_worker(dsn: str, queue: str, concurrency: int) -> tuple[float, float, dict[str, Any]]:
+def spawn_worker(
+    dsn: str, queue: str, concurrency: int, *extra: str
+) -> tuple[float, float, dict[str, Any]]:
     """Run one draining worker process; its wall time, CPU time and stats file."""
     with tempfile.TemporaryDirectory(prefix="dedupworker-bench-") as tmp:
         stats_file = Path(tmp) / "stats.json"
         command = [
             *(sys.executable, "-m", "dedupworker", "run", "bench.noop:Noop"),
             *("--dsn", dsn, "--queue", queue, "--concurrency", str(concurrency)),
-            *("--drain", "--stats-file", str(stats_file)),
+            *("--drain", "--stats-file", str(stats_file), *extra),
         ]
         cpu, started = children_cpu(), time.perf_counter()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
@@ -226,9 +228,11 @@ def spawn_worker(dsn: str, queue: str, concurrency: int) -> tuple[float, float, 
         return wall, cpu, json.loads(stats_file.read_text())
 
 
-def run_dedupworker(dsn: str, queue: str, ids: tuple[int, int], concurrency: int) -> WorkerMeasure:
+def run_dedupworker(
+    dsn: str, queue: str, ids: tuple[int, int], concurrency: int, *extra: str
+) -> WorkerMeasure:
     with Watcher(dsn, ids) as watcher:
-        wall, cpu, stats = spawn_worker(dsn, queue, concurrency)
+        wall, cpu, stats = spawn_worker(dsn, queue, concurrency, *extra)
     messages = ids[1] - ids[0] + 1
     if stats.get("succeeded") != messages or watcher.first is None or watcher.last is None:
         raise RuntimeError(f"worker did not process {messages} messages cleanly: {stats}")
