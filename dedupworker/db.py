@@ -59,6 +59,26 @@ def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
     return conn
 
 
+POOLER_PROBE = "dedupworker.pooler_probe"
+
+
+def behind_pooler(dsn: str, **kwargs: Any) -> bool:
+    """Whether connections go through a pooler that rejects or drops startup options.
+
+    PostgreSQL applies `options=-c dedupworker.pooler_probe=on`; PgBouncer refuses the
+    `options` startup parameter (or drops it with ignore_startup_parameters). Call it once
+    the database is known to be reachable.
+    """
+    try:
+        with psycopg.connect(dsn, options=f"-c {POOLER_PROBE}=on", **kwargs) as conn:
+            row = conn.execute("SELECT current_setting(%s, true)", (POOLER_PROBE,)).fetchone()
+    except psycopg.OperationalError as exc:
+        if "unsupported startup parameter" in str(exc):
+            return True
+        raise
+    return not (row and row[0] == "on")
+
+
 def open_pool(
     dsn: str, size: int, timeout: float, *, pgbouncer: bool = False, name: str = "dedupworker"
 ) -> ConnectionPool[Any]:

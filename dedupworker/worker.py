@@ -20,7 +20,7 @@ from psycopg_pool import ConnectionPool
 from . import metrics
 from ._version import __version__
 from .config import WorkerConfig
-from .db import open_pool
+from .db import behind_pooler, connect, describe_dsn, open_pool
 from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
@@ -72,6 +72,7 @@ class Worker:
         return str(queue or self.config.queue)
 
     def setup(self) -> None:
+        self._check_pooler()
         size = self.config.concurrency * len(self.handlers) + 1  # +1: the scheduler
         self._pool = open_pool(
             self.config.dsn,
@@ -91,6 +92,23 @@ class Worker:
             info = (__version__, self.config.transport, str(self.config.concurrency))
             metrics.WORKER_INFO.labels(*info).set(1)
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
+
+    def _check_pooler(self) -> None:
+        """Detect a transaction pooler at start, rather than fail on LISTEN or prepares later."""
+        if self.config.pgbouncer:
+            return
+        connect(self.config.dsn, self.config.connect_timeout).close()
+        if behind_pooler(self.config.dsn, prepare_threshold=None):
+            log.warning(
+                "the connections to %s go through a pooler (PgBouncer?): running as with "
+                "--pgbouncer: no prepared statements, no LISTEN (polling every %gs), "
+                "transaction-scoped locks only; the pooler must allow at least %d server "
+                "connections for this worker (one per handler thread, +1)",
+                describe_dsn(self.config.dsn),
+                self.config.poll_interval,
+                self.config.concurrency * len(self.handlers) + 1,
+            )
+            self.config = dataclasses.replace(self.config, pgbouncer=True)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or until drained with --drain); returns the exit code."""

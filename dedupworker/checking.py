@@ -1,0 +1,144 @@
+"""An independent checker for fault-injection runs: did two calls for one entity overlap, was a
+message lost, did one succeed twice?
+
+`CheckedHandler` records every call from a side connection, outside the handler's transaction
+(start before the work, end after it; a rolled-back call is recorded too), and writes an
+effect row inside the transaction (only committed calls leave one). `check()` reads both back.
+The side connection uses DEDUPWORKER_CHECK_DSN (default DEDUPWORKER_DSN), so it can bypass a
+pooler or a proxy that a fault cuts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+
+from .handler import Handler
+from .message import Message
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS check_calls (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    msg        text NOT NULL,
+    entity     text NOT NULL,
+    pid        integer NOT NULL,
+    started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    ended_at   timestamptz
+);
+CREATE TABLE IF NOT EXISTS check_effects (
+    msg text NOT NULL,
+    pid integer NOT NULL
+);
+"""
+
+OVERLAPS = """
+SELECT count(*) FROM check_calls a JOIN check_calls b
+  ON a.entity = b.entity AND a.id < b.id
+ AND a.ended_at IS NOT NULL AND b.ended_at IS NOT NULL
+ AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
+"""
+
+
+@dataclass(frozen=True)
+class Report:
+    produced: int
+    calls: int
+    unfinished_calls: int  # started, never recorded an end (killed mid-handler)
+    overlaps: int
+    lost: int
+    duplicate_effects: int
+    unexpected_dead: int
+
+    @property
+    def ok(self) -> bool:
+        return self.overlaps == 0 and self.lost == 0 and self.unexpected_dead == 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def create_tables(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(TABLES.encode())
+
+
+def check(
+    conn: psycopg.Connection[Any], produced: Iterable[str], poison: Iterable[str] = ()
+) -> Report:
+    """Compare what was produced with what the handler recorded and what is dead."""
+    produced, poison = set(produced), set(poison)
+    effects: dict[str, int] = dict(
+        conn.execute("SELECT msg, count(*) FROM check_effects GROUP BY msg").fetchall()
+    )
+    dead = {
+        str(row[0])
+        for row in conn.execute(
+            "SELECT convert_from(body, 'UTF8')::jsonb ->> 'msg' FROM dedupworker.jobs"
+            " WHERE status = 'dead' AND convert_from(body, 'UTF8') LIKE '{%%'"
+        )
+        if row[0] is not None
+    }
+    calls, unfinished = conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE ended_at IS NULL) FROM check_calls"
+    ).fetchone() or (0, 0)
+    overlaps = (conn.execute(OVERLAPS).fetchone() or (0,))[0]
+    return Report(
+        produced=len(produced),
+        calls=calls,
+        unfinished_calls=unfinished,
+        overlaps=overlaps,
+        lost=len(produced - poison - set(effects)),
+        duplicate_effects=sum(count - 1 for count in effects.values() if count > 1),
+        unexpected_dead=len(dead - poison),
+    )
+
+
+class CheckedHandler(Handler):
+    """Body: {"msg": id, "entity": key, "work_ms": n}. Records its calls for `check()`."""
+
+    lock_namespace = 44
+
+    def __init__(self) -> None:
+        self._dsn = os.environ.get("DEDUPWORKER_CHECK_DSN") or os.environ["DEDUPWORKER_DSN"]
+        self._side: psycopg.Connection[Any] | None = None
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        call = self._record(
+            "INSERT INTO check_calls (msg, entity, pid) VALUES (%s, %s, %s) RETURNING id",
+            (str(body["msg"]), str(body["entity"]), os.getpid()),
+        )
+        time.sleep(float(body.get("work_ms", 5)) / 1000)
+        conn.execute(
+            "INSERT INTO check_effects (msg, pid) VALUES (%s, %s)", (body["msg"], os.getpid())
+        )
+        if call is not None:
+            self._record(
+                "UPDATE check_calls SET ended_at = clock_timestamp() WHERE id = %s", (call,)
+            )
+
+    def _record(self, query: str, params: tuple[Any, ...]) -> Any:
+        # The side connection may be cut by the fault under test: reconnect once, then give up
+        # on this record rather than fail the call (the checker reports unfinished calls).
+        for _ in range(2):
+            try:
+                if self._side is None or self._side.closed:
+                    self._side = psycopg.connect(self._dsn, autocommit=True, connect_timeout=5)
+                cursor = self._side.execute(query, params)
+                row = cursor.fetchone() if cursor.description else None
+                return row[0] if row else None
+            except psycopg.Error:
+                with contextlib.suppress(Exception):
+                    if self._side is not None:
+                        self._side.close()
+                self._side = None
+        return None

@@ -1,0 +1,242 @@
+"""Faults against the postgres transport, judged by the independent checker.
+
+Each test enqueues messages over a few hot entities (plus one poison message), runs real worker
+processes with `dedupworker.checking:CheckedHandler`, injects one kind of fault while they
+drain the queue, and asserts zero overlapping calls per entity, zero lost messages, zero
+double successes and no unexpected dead letters.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker import enqueue
+from dedupworker.checking import Report, check, create_tables
+
+from .conftest import ROOT, clean_env
+from .pgbouncer import PgBouncer
+from .proxy import Proxy
+
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+
+MESSAGES = 300
+ENTITIES = 12
+PROCESSES = 3
+
+
+class Run:
+    """Worker processes draining one queue; replaceable when a fault kills one."""
+
+    def __init__(self, worker_dsn: str, check_dsn: str, *args: str) -> None:
+        self.env = {
+            **clean_env(),
+            "DEDUPWORKER_DSN": worker_dsn,
+            "DEDUPWORKER_CHECK_DSN": check_dsn,
+        }
+        self.args = args
+        self.procs: list[subprocess.Popen[str]] = []
+        self.killed = 0
+
+    def spawn(self) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dedupworker",
+                "--log-level",
+                "ERROR",
+                "run",
+                "dedupworker.checking:CheckedHandler",
+                "--queue",
+                "q",
+                "--concurrency",
+                "3",
+                "--drain",
+                "--poll-interval",
+                "0.2",
+                "--connect-timeout",
+                "60",
+                *self.args,
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def alive(self) -> list[subprocess.Popen[str]]:
+        return [p for p in self.procs if p.poll() is None]
+
+    def wait(self, limit: float = 240) -> None:
+        deadline = time.monotonic() + limit
+        for proc in self.procs:
+            _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
+
+
+def fill(conn: psycopg.Connection[Any]) -> tuple[list[str], list[str]]:
+    create_tables(conn)
+    produced = [str(i) for i in range(MESSAGES)]
+    bodies: list[Any] = [
+        {"msg": msg, "entity": int(msg) % ENTITIES, "work_ms": 10} for msg in produced
+    ]
+    bodies.insert(MESSAGES // 2, json.dumps({"msg": "poison"}))  # no entity: dead-lettered
+    enqueue(conn, "q", bodies)
+    return [*produced, "poison"], ["poison"]
+
+
+@contextmanager
+def injecting(fault: Callable[[threading.Event], None]) -> Iterator[None]:
+    stop = threading.Event()
+    thread = threading.Thread(target=fault, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def run_with(
+    dsn: str,
+    fault: Callable[[threading.Event], None],
+    worker_dsn: str | None = None,
+    *args: str,
+    run: Run | None = None,
+) -> Report:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        produced, poison = fill(conn)
+    run = run or Run(worker_dsn or dsn, dsn, *args)
+    for _ in range(PROCESSES):
+        run.spawn()
+    with injecting(fault):
+        run.wait()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        report = check(conn, produced, poison)
+    print(report.as_dict())
+    return report
+
+
+def assert_clean(report: Report) -> None:
+    assert report.overlaps == 0, report
+    assert report.lost == 0, report
+    assert report.duplicate_effects == 0, report  # the postgres queue deletes in the same txn
+    assert report.unexpected_dead == 0, report
+
+
+def test_workers_killed_mid_handler(dsn: str) -> None:
+    run = Run(dsn, dsn)
+    rng = random.Random(1)
+
+    def kill_some(stop: threading.Event) -> None:
+        while not stop.wait(0.4) and run.killed < 6:
+            alive = run.alive()
+            if alive:
+                rng.choice(alive).kill()
+                run.killed += 1
+                run.spawn()
+
+    report = run_with(dsn, kill_some, run=run)
+    assert_clean(report)
+    assert run.killed > 0
+
+
+def test_connections_terminated_mid_handler(dsn: str) -> None:
+    terminated = []
+
+    def terminate(stop: threading.Event) -> None:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            while not stop.wait(0.2):
+                rows = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name LIKE 'dedupworker:%%'"
+                    " AND state LIKE 'idle in transaction%%' LIMIT 1"
+                ).fetchall()
+                terminated.extend(rows)
+
+    assert_clean(run_with(dsn, terminate))
+    assert terminated, "no connection was caught mid-handler"
+
+
+def test_postgresql_restarted_while_workers_run(dsn: str, pg_server: Any) -> None:
+    def restart(stop: threading.Event) -> None:
+        if not stop.wait(1.0):
+            pg_server.restart()
+
+    assert_clean(run_with(dsn, restart))
+
+
+def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any) -> None:
+    proxy = Proxy(pg_server.port)
+    cuts = []
+
+    def cut(stop: threading.Event) -> None:
+        while not stop.wait(1.0) and len(cuts) < 2:
+            proxy.cut()
+            cuts.append(time.monotonic())
+            stop.wait(1.5)
+            proxy.restore()
+
+    try:
+        through = dsn.replace(f":{pg_server.port}/", f":{proxy.port}/")
+        assert_clean(run_with(dsn, cut, through))
+    finally:
+        proxy.close()
+    assert cuts
+
+
+@pytest.fixture
+def pgbouncer(pg_server: Any) -> Iterator[PgBouncer]:
+    try:
+        bouncer = PgBouncer(pg_server.port)
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
+    yield bouncer
+    bouncer.stop()
+
+
+def test_through_a_transaction_mode_pgbouncer(
+    dsn: str, pg_server: Any, pgbouncer: PgBouncer
+) -> None:
+    through = dsn.replace(f":{pg_server.port}/", f":{pgbouncer.port}/")
+
+    def nothing(stop: threading.Event) -> None:
+        stop.wait()
+
+    # No --pgbouncer flag: the worker must detect the pooler itself.
+    assert_clean(run_with(dsn, nothing, through))
+
+
+def test_the_checker_sees_overlaps_losses_and_double_successes(
+    conn: psycopg.Connection[Any],
+) -> None:
+    create_tables(conn)
+    conn.execute(
+        "INSERT INTO check_calls (msg, entity, pid, started_at, ended_at) VALUES"
+        " ('1', 'a', 1, '2026-01-01 00:00:00', '2026-01-01 00:00:02'),"
+        " ('2', 'a', 2, '2026-01-01 00:00:01', '2026-01-01 00:00:03'),"
+        " ('3', 'b', 1, '2026-01-01 00:00:00', '2026-01-01 00:00:01'),"
+        " ('4', 'b', 2, '2026-01-01 00:00:01', '2026-01-01 00:00:02'),"
+        " ('5', 'c', 1, '2026-01-01 00:00:00', NULL)"
+    )
+    conn.execute("INSERT INTO check_effects VALUES ('1', 1), ('2', 2), ('2', 2), ('3', 1)")
+    enqueue(conn, "q", [{"msg": "6", "entity": 1}])
+    conn.execute("UPDATE dedupworker.jobs SET status = 'dead'")
+    report = check(conn, ["1", "2", "3", "4", "5", "6"])
+    assert (report.overlaps, report.lost, report.duplicate_effects) == (1, 3, 1)
+    assert (report.unexpected_dead, report.unfinished_calls, report.ok) == (1, 1, False)
