@@ -17,6 +17,7 @@ import random
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ class Soak:
         self.procs: dict[int, tuple[subprocess.Popen[bytes], str]] = {}
         self.stop = threading.Event()
         self.rng = random.Random(args.seed)
+        self.logs = Path(tempfile.mkdtemp(prefix="dedupworker-soak-"))
 
     def route(self, slot: int) -> str:
         port = self.proxy.port
@@ -60,7 +62,7 @@ class Soak:
             "-m",
             "dedupworker",
             "--log-level",
-            "ERROR",
+            "WARNING",
             "run",
             HANDLERS[self.args.ledger],
             "--queue",
@@ -80,9 +82,8 @@ class Soak:
             "PATH": "/usr/bin:/bin",
             "PYTHONPATH": str(REPO),
         }
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        with open(self.logs / f"worker-{slot}.log", "ab") as log:
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
         self.procs[slot] = (proc, self.route(slot))
 
     def produce(self) -> None:

@@ -2,7 +2,8 @@
 message lost, did one succeed twice?
 
 `CheckedHandler` records every call from a side connection, outside the handler's transaction
-(start before the work, end after it; a rolled-back call is recorded too), and writes an
+(start before the work, end after it, by the worker's clock, so the checker suits workers on
+one host; a rolled-back call is recorded too), and writes an
 effect row inside the transaction (only committed calls leave one). `check()` reads both back.
 The side connection uses DEDUPWORKER_CHECK_DSN (default DEDUPWORKER_DSN), so it can bypass a
 pooler or a proxy that a fault cuts.
@@ -11,6 +12,7 @@ pooler or a proxy that a fault cuts.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from collections.abc import Iterable
@@ -98,6 +100,10 @@ def check(
     )
 
 
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
 class CheckedHandler(Handler):
     """Body: {"msg": id, "entity": key, "work_ms": n}. Records its calls for `check()`."""
 
@@ -113,18 +119,20 @@ class CheckedHandler(Handler):
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         body = message.json()
+        # Times are taken here, not by the side connection: a record written late (after a
+        # reconnect) must still say when the call really started and ended.
         call = self._record(
-            "INSERT INTO check_calls (msg, entity, pid) VALUES (%s, %s, %s) RETURNING id",
-            (str(body["msg"]), str(body["entity"]), os.getpid()),
+            "INSERT INTO check_calls (msg, entity, pid, started_at) VALUES (%s, %s, %s, %s)"
+            " RETURNING id",
+            (str(body["msg"]), str(body["entity"]), os.getpid(), _now()),
         )
         time.sleep(float(body.get("work_ms", 5)) / 1000)
         conn.execute(
             "INSERT INTO check_effects (msg, pid) VALUES (%s, %s)", (body["msg"], os.getpid())
         )
+        ended = _now()
         if call is not None:
-            self._record(
-                "UPDATE check_calls SET ended_at = clock_timestamp() WHERE id = %s", (call,)
-            )
+            self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (ended, call))
 
     def _record(self, query: str, params: tuple[Any, ...]) -> Any:
         # The side connection may be cut by the fault under test: reconnect once, then give up
