@@ -6,7 +6,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import psycopg
 import tenacity
@@ -15,6 +15,9 @@ from tenacity.wait import wait_base
 from .errors import ConfigurationError, HandlerNotFound
 from .keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
 from .message import Message
+
+if TYPE_CHECKING:
+    from .outcomes import Outcome
 
 
 class Handler:
@@ -68,6 +71,18 @@ class Handler:
     @property
     def ledger_scope(self) -> str:
         return self.dedup_scope or self.name
+
+    def may_run(self, message: Message, conn: psycopg.Connection[Any]) -> bool:
+        """Called under the entity lock before `handle`; False makes the message wait as
+        contended (contention backoff, no attempt used). Default: always run."""
+        return True
+
+    def after_settle(
+        self, message: Message, outcome: Outcome, conn: psycopg.Connection[Any]
+    ) -> None:
+        """Called in the message's transaction after its outcome was carried out and before
+        COMMIT, on the postgres queue: writes here survive a failed handler's rollback (an
+        attempt log, say). Default: nothing."""
 
     def retry_delay(self, attempt: int) -> float:
         """Seconds to wait before delivery number `attempt + 1` after a failure."""

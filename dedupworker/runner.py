@@ -95,6 +95,7 @@ class Runner:
                 if in_savepoint:
                     _end_savepoint(conn, keep=verdict.outcome in _KEPT)
                 carry_out(self.transport, delivery, verdict, conn)
+                self.handler.after_settle(delivery.message, verdict.outcome, conn)
                 conn.execute("COMMIT")
         self._record(delivery, verdict, started)
         return True
@@ -168,6 +169,8 @@ class Runner:
         if seen is not None and _true(seen):
             return DUPLICATE, savepoint
         try:
+            if not handler.may_run(message, conn):
+                return on_contended(handler, delivery), savepoint
             handler.handle(message, conn)
             _check_transaction(conn)
         except Exception as exc:

@@ -49,6 +49,41 @@ CREATE TABLE dedupworker.singleton_runs (
 CREATE INDEX singleton_runs_finished_idx ON dedupworker.singleton_runs (finished_at);
 """
 
+# Webhook delivery (dedupworker/webhooks.py, docs/webhooks.md). Its own schema: an optional
+# feature whose tables can be dropped together.
+_WEBHOOKS = """
+CREATE SCHEMA dedupworker_webhooks;
+CREATE TABLE dedupworker_webhooks.endpoints (
+    id              text        PRIMARY KEY,
+    url             text        NOT NULL,
+    secrets         text[]      NOT NULL CHECK (cardinality(secrets) > 0),
+    disabled_at     timestamptz,
+    disabled_reason text,
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+COMMENT ON COLUMN dedupworker_webhooks.endpoints.secrets IS
+    'whsec_ secrets; every one signs each request (rotation), the first is the newest';
+CREATE TABLE dedupworker_webhooks.attempts (
+    id              bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    delivery_id     text        NOT NULL,
+    endpoint_id     text        NOT NULL,
+    message_id      text        NOT NULL,
+    attempt         integer     NOT NULL,
+    outcome         text        NOT NULL,
+    status_code     integer,
+    latency_seconds float8      NOT NULL,
+    response_body   text,
+    error           text,
+    attempted_at    timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX attempts_delivery_idx ON dedupworker_webhooks.attempts (delivery_id, id);
+CREATE INDEX attempts_endpoint_idx ON dedupworker_webhooks.attempts (endpoint_id, attempted_at);
+CREATE INDEX attempts_at_idx ON dedupworker_webhooks.attempts (attempted_at);
+-- Ordering per endpoint: "is an earlier delivery for this endpoint pending?" under the lock.
+CREATE INDEX jobs_webhook_endpoint_idx ON dedupworker.jobs ((headers ->> 'webhook_endpoint'), id)
+    WHERE status = 'ready' AND headers ? 'webhook_endpoint';
+"""
+
 # Append only: a released version's migration never changes (see docs/migrations.md).
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "jobs table", _JOBS),
@@ -58,6 +93,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         "first contention time",
         "ALTER TABLE dedupworker.jobs ADD COLUMN contended_since timestamptz",
     ),
+    (4, "webhook endpoints and delivery attempts", _WEBHOOKS),
 )
 
 
