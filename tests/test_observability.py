@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +12,12 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dedupworker import Worker, WorkerConfig, enqueue, load_handler
+from dedupworker import Worker, enqueue
 from dedupworker.hot import HotEntities
 
 from .conftest import ROOT, cli
 from .proxy import Proxy
+from .running import get, start, wait_for
 
 pytestmark = pytest.mark.postgres
 
@@ -36,46 +32,10 @@ def reference() -> dict[str, tuple[str, str]]:
     return {name: (kind, meaning) for name, kind, meaning in rows}
 
 
-@contextlib.contextmanager
-def start(
-    dsn: str, handler: str = "tests.handlers:MetricsProbe", **config: Any
-) -> Iterator[Worker]:
-    settings = {"queue": "q", "concurrency": 2, "poll_interval": 0.1, "metrics_port": 0, **config}
-    worker = Worker([load_handler(handler)], WorkerConfig(dsn=dsn, **settings))
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while worker.http is None:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(30)
-
-
 @pytest.fixture
 def worker(dsn: str) -> Iterator[Worker]:
     with start(dsn) as running:
         yield running
-
-
-def get(worker: Worker, path: str) -> tuple[int, str]:
-    assert worker.http is not None
-    url = f"http://127.0.0.1:{worker.http.server_port}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def wait_for(check: Any, limit: float = 60) -> None:
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
