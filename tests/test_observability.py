@@ -90,7 +90,11 @@ def test_readyz_follows_the_database(pg_server: Any, dsn: str) -> None:
     proxy = Proxy(pg_server.port)
     try:
         through = dsn.replace(f":{pg_server.port}/", f":{proxy.port}/")
-        with start(through, "examples.recorder:RecordCalls") as worker:
+        # Short timeouts: threads waiting for a pool connection while the database is away
+        # must not outlast the test.
+        with start(
+            through, "examples.recorder:RecordCalls", connect_timeout=5, shutdown_timeout=5
+        ) as worker:
 
             def readiness() -> int:
                 return get(worker, "/readyz")[0]

@@ -1,0 +1,115 @@
+"""Hot entities: N messages over K entities, a handler of fixed duration, C handler threads.
+
+Reports the drain time against its lower bound (the larger of the busiest entity's total handler
+time and the total work divided by the concurrency) and the requeues (contentions) per message.
+
+Run from the repository root:  python -m bench.hot_entities
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from dedupworker import enqueue
+from dedupworker.embedded import private_postgres
+from dedupworker.schema import migrate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fill(dsn: str, args: argparse.Namespace) -> int:
+    """Enqueue the messages in random entity order; returns the busiest entity's count."""
+    rng = random.Random(args.seed)
+    entities = [rng.randrange(args.entities) for _ in range(args.messages)]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+        conn.execute("DELETE FROM dedupworker.jobs")
+        enqueue(conn, "hot", ({"entity": e, "work_ms": args.work_ms} for e in entities))
+        conn.execute("VACUUM ANALYZE dedupworker.jobs")
+    return max(collections.Counter(entities).values())
+
+
+def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+    per_process = args.concurrency // args.processes
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [Path(tmp) / f"stats{i}.json" for i in range(args.processes)]
+        started = time.perf_counter()
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dedupworker",
+                    "--log-level",
+                    "ERROR",
+                    "run",
+                    "bench.sleepy:Sleepy",
+                    "--dsn",
+                    dsn,
+                    "--queue",
+                    "hot",
+                    "--drain",
+                    "--concurrency",
+                    str(per_process),
+                    "--stats-file",
+                    str(path),
+                ],
+                cwd=REPO,
+            )
+            for path in files
+        ]
+        if any(proc.wait() != 0 for proc in procs):
+            raise RuntimeError("a worker failed")
+        wall = time.perf_counter() - started
+        totals: collections.Counter[str] = collections.Counter()
+        for path in files:
+            totals.update(json.loads(path.read_text()))
+    return wall, dict(totals)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--entities", type=int, default=20)
+    parser.add_argument("--work-ms", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=8, help="handler threads in all")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    print("$ python -m bench.hot_entities " + shlex.join(sys.argv[1:]))
+    server = private_postgres()
+    try:
+        dsn = server.start()
+        busiest = fill(dsn, args)
+        wall, stats = drain(dsn, args)
+    finally:
+        server.stop()
+    work = args.work_ms / 1000
+    bound = max(busiest * work, args.messages * work / args.concurrency)
+    elapsed = stats["elapsed_seconds"] / args.processes
+    print(
+        "| messages | entities | concurrency | processes | lower bound s | drain s (worker) "
+        "| drain s (wall) | drain / bound | requeues per message |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| {args.messages:,} | {args.entities} | {args.concurrency} | {args.processes} "
+        f"| {bound:.2f} | {elapsed:.2f} | {wall:.2f} | {elapsed / bound:.2f} "
+        f"| {stats.get('contended', 0) / args.messages:.2f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
