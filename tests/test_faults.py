@@ -47,6 +47,7 @@ class Run:
         }
         self.args = args
         self.procs: list[subprocess.Popen[str]] = []
+        self.reaped = 0
         self.killed = 0
 
     def spawn(self) -> subprocess.Popen[str]:
@@ -83,10 +84,13 @@ class Run:
         return [p for p in self.procs if p.poll() is None]
 
     def wait(self, limit: float = 240) -> None:
+        """Reap every process, including replacements spawned while waiting."""
         deadline = time.monotonic() + limit
-        for proc in self.procs:
+        while self.reaped < len(self.procs):
+            proc = self.procs[self.reaped]
             _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
             assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
+            self.reaped += 1
 
 
 def fill(conn: psycopg.Connection[Any]) -> tuple[list[str], list[str]]:
@@ -126,6 +130,7 @@ def run_with(
         run.spawn()
     with injecting(fault):
         run.wait()
+    run.wait()  # a replacement spawned just before the injector stopped
     with psycopg.connect(dsn, autocommit=True) as conn:
         report = check(conn, produced, poison)
     print(report.as_dict())
