@@ -2,9 +2,10 @@
 message lost, did one succeed twice?
 
 `CheckedHandler` records every call from a side connection, outside the handler's transaction
-(start before the work, end after it, by the worker's clock, so the checker suits workers on
-one host; a rolled-back call is recorded too), and writes an
-effect row inside the transaction (only committed calls leave one). `check()` reads both back.
+(start before the work by the worker's clock, end at its last statement by the server's clock,
+so the checker suits workers on the database's host; a rolled-back call is recorded too), and
+writes an effect row inside the transaction (only committed calls leave one). `check()` reads
+both back.
 The side connection uses DEDUPWORKER_CHECK_DSN (default DEDUPWORKER_DSN), so it can bypass a
 pooler or a proxy that a fault cuts.
 """
@@ -45,6 +46,22 @@ SELECT count(*) FROM check_calls a JOIN check_calls b
  AND a.ended_at IS NOT NULL AND b.ended_at IS NOT NULL
  AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
 """
+
+
+OVERLAPPING_PAIRS = """
+SELECT a.entity, a.msg, a.pid, a.started_at, a.ended_at, b.msg, b.pid, b.started_at, b.ended_at
+FROM check_calls a JOIN check_calls b
+  ON a.entity = b.entity AND a.id < b.id
+ AND a.ended_at IS NOT NULL AND b.ended_at IS NOT NULL
+ AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
+ORDER BY a.started_at
+LIMIT %s
+"""
+
+
+def overlapping_pairs(conn: psycopg.Connection[Any], limit: int = 10) -> list[tuple[Any, ...]]:
+    """The overlapping calls themselves, for investigating a failed run."""
+    return [tuple(row) for row in conn.execute(OVERLAPPING_PAIRS, (limit,))]
 
 
 @dataclass(frozen=True)
@@ -119,20 +136,22 @@ class CheckedHandler(Handler):
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         body = message.json()
-        # Times are taken here, not by the side connection: a record written late (after a
-        # reconnect) must still say when the call really started and ended.
+        # The start is the worker's clock once the lock is held; the end is the server's clock
+        # at the call's last statement in its transaction, when the lock was provably still
+        # held: a result read late (the backend killed just after sending it) must not stretch
+        # the call past the moment its lock was released.
         call = self._record(
             "INSERT INTO check_calls (msg, entity, pid, started_at) VALUES (%s, %s, %s, %s)"
             " RETURNING id",
             (str(body["msg"]), str(body["entity"]), os.getpid(), _now()),
         )
         time.sleep(float(body.get("work_ms", 5)) / 1000)
-        conn.execute(
-            "INSERT INTO check_effects (msg, pid) VALUES (%s, %s)", (body["msg"], os.getpid())
-        )
-        ended = _now()
-        if call is not None:
-            self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (ended, call))
+        row = conn.execute(
+            "INSERT INTO check_effects (msg, pid) VALUES (%s, %s) RETURNING clock_timestamp()",
+            (body["msg"], os.getpid()),
+        ).fetchone()
+        if call is not None and row is not None:
+            self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (row[0], call))
 
     def _record(self, query: str, params: tuple[Any, ...]) -> Any:
         # The side connection may be cut by the fault under test: reconnect once, then give up
