@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 
 from dedupworker import enqueue
-from dedupworker.checking import check, create_tables, overlapping_pairs
+from dedupworker.checking import check, create_tables, overlapping_calls
 from dedupworker.embedded import LocalPostgres, find_local_bindir
 from dedupworker.schema import migrate
 from tests.pgbouncer import PgBouncer
@@ -167,14 +167,14 @@ class Soak:
         codes = [proc.wait(60) for proc, _ in self.procs.values()]
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             report = check(conn, self.produced)
-            pairs = [[str(v) for v in pair] for pair in overlapping_pairs(conn)]
+            pairs = [[str(v) for v in pair] for pair in overlapping_calls(conn)]
         return {
             "drained": drained,
             "exit_codes": codes,
             "logs": str(self.logs),
             "faults": dict(self.faults),
             **report.as_dict(),
-            "overlapping_pairs": pairs,
+            "overlapping_calls": pairs,
         }
 
     def close(self) -> None:
