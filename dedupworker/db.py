@@ -93,6 +93,12 @@ def open_pool(
     return pool
 
 
+def fetch_flag(cursor: psycopg.Cursor[Any]) -> bool:
+    """The boolean in the first column of the cursor's next row (False when there is none)."""
+    row = cursor.fetchone()
+    return bool(row and row[0])
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 

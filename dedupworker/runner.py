@@ -21,6 +21,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from . import metrics, sql
+from .db import fetch_flag
 from .handler import Handler
 from .hot import HotEntities
 from .keys import lock_key
@@ -166,7 +167,7 @@ class Runner:
         row = cursor.fetchone()
         if not (row and row[0]):
             return on_contended(handler, delivery), savepoint
-        if seen is not None and _true(seen):
+        if seen is not None and fetch_flag(seen):
             return DUPLICATE, savepoint
         try:
             if not handler.may_run(message, conn):
@@ -243,11 +244,6 @@ def _check_transaction(conn: psycopg.Connection[Any]) -> None:
             "handle() ended the worker's transaction (commit or rollback), which released the "
             "entity lock early; use `with conn.transaction():` for nested blocks"
         )
-
-
-def _true(cursor: psycopg.Cursor[Any]) -> bool:
-    row = cursor.fetchone()
-    return bool(row and row[0])
 
 
 def _end_savepoint(conn: psycopg.Connection[Any], keep: bool) -> None:

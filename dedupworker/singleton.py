@@ -32,7 +32,7 @@ from psycopg_pool import ConnectionPool
 
 from . import sql
 from .config import WorkerConfig
-from .db import connect, connection_kwargs
+from .db import connect, connection_kwargs, fetch_flag
 from .errors import ConfigurationError
 from .schema import INTERNAL_NAMESPACE
 
@@ -209,10 +209,10 @@ class Scheduler:
             self.config.dsn, self.config.connect_timeout, autocommit=True, **kwargs
         ) as conn:
             locked = conn.execute(_LOCK_SESSION, (INTERNAL_NAMESPACE, name))
-            if not _true(locked):
+            if not fetch_flag(locked):
                 return "busy"
             try:
-                if _true(conn.execute(_RAN, (name, tick))):
+                if fetch_flag(conn.execute(_RAN, (name, tick))):
                     return "skipped"
                 singleton.run(conn, tick, self.config)
                 conn.execute(_RECORD, (name, tick, self.worker_id))
@@ -222,11 +222,6 @@ class Scheduler:
 
 
 def _precheck(locked: psycopg.Cursor[Any], ran: psycopg.Cursor[Any]) -> str | None:
-    if not _true(locked):
+    if not fetch_flag(locked):
         return "busy"
-    return "skipped" if _true(ran) else None
-
-
-def _true(cursor: psycopg.Cursor[Any]) -> bool:
-    row = cursor.fetchone()
-    return bool(row and row[0])
+    return "skipped" if fetch_flag(ran) else None

@@ -68,13 +68,6 @@ WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
 RETURNING queue
 """
 
-QUEUE_COUNTS = """
-SELECT queue, status, count(*), min(run_at)
-FROM dedupworker.jobs
-GROUP BY queue, status
-ORDER BY queue, status
-"""
-
 ADVISORY_LOCKS = """
 SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, l.granted, l.pid,
        coalesce(a.application_name, ''), coalesce(a.state, ''),
