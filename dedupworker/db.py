@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -9,7 +10,9 @@ import psycopg
 import tenacity
 from psycopg_pool import ConnectionPool
 
+from . import wire
 from .errors import DatabaseUnavailable
+from .wire import Rows
 
 log = logging.getLogger("dedupworker")
 
@@ -87,13 +90,20 @@ def open_pool(
     kwargs = {**connection_kwargs(pgbouncer, name), "autocommit": True}
     connect(dsn, timeout, **kwargs).close()
     pool: ConnectionPool[Any] = ConnectionPool(
-        dsn, min_size=size, max_size=size, kwargs=kwargs, open=False, name=name, timeout=timeout
+        dsn,
+        min_size=size,
+        max_size=size,
+        kwargs=kwargs,
+        open=False,
+        name=name,
+        timeout=timeout,
+        configure=functools.partial(wire.configure, prepare=not pgbouncer),
     )
     pool.open(wait=True, timeout=timeout)
     return pool
 
 
-def fetch_flag(cursor: psycopg.Cursor[Any]) -> bool:
+def fetch_flag(cursor: Rows) -> bool:
     """The boolean in the first column of the cursor's next row (False when there is none)."""
     row = cursor.fetchone()
     return bool(row and row[0])

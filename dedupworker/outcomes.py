@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import Reject, RetryLater
 
 if TYPE_CHECKING:
-    import psycopg
-
     from .handler import Handler
     from .transport import Delivery, Transport
+    from .wire import Executor
 
 
 class Outcome(enum.StrEnum):
@@ -87,7 +86,7 @@ def carry_out(
     transport: Transport,
     delivery: Delivery,
     verdict: Verdict,
-    conn: psycopg.Connection[Any] | None,
+    conn: Executor | None,
 ) -> None:
     """Hand the verdict to the transport's ack / requeue / dead-letter."""
     match verdict.outcome:

@@ -1,11 +1,11 @@
 """Process one message: lock the entity, run the handler, decide, settle.
 
 Round trips per message on the postgres queue: BEGIN + claim, lock + SAVEPOINT, the handler's
-own, RELEASE + settle + COMMIT (psycopg pipeline mode; measured 1.7x the throughput of one
-statement per round trip, even on loopback). Pool connections are in autocommit mode and the
-runner sends BEGIN and COMMIT itself: psycopg's implicit transactions cost extra syncs in
-pipeline mode. The handler runs outside pipeline mode, inside the explicit transaction, so its
-`conn.transaction()` blocks are nested savepoints and its statements join the transaction.
+own, RELEASE + settle + COMMIT, each a `dedupworker.wire.Batch` (libpq pipeline, prepared
+statements). Pool connections are in autocommit mode and the runner sends BEGIN and COMMIT
+itself. The handler runs between batches, inside the explicit transaction, on the psycopg
+connection: its `conn.transaction()` blocks are nested savepoints and its statements join the
+transaction.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .outcomes import (
     on_success,
 )
 from .transport import Delivery, Transport
+from .wire import Batch, Executor
 
 log = logging.getLogger("dedupworker")
 
@@ -66,6 +67,8 @@ class Runner:
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
         self._scope = handler.ledger_scope
+        # The default hook does nothing: skip the extra round trip it would need.
+        self._after_settle = type(handler).after_settle is not Handler.after_settle
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport.name)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport.name)
         self._counted = {
@@ -91,13 +94,16 @@ class Runner:
                 conn.execute("ROLLBACK")
                 return False
             verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
-            with conn.pipeline():  # ledger + end of savepoint + settlement + COMMIT: one trip
-                self._record_processed(conn, verdict)
-                if in_savepoint:
-                    _end_savepoint(conn, keep=verdict.outcome in _KEPT)
-                carry_out(self.transport, delivery, verdict, conn)
+            settle = Batch(conn)  # ledger + end of savepoint + settlement + COMMIT: one trip
+            self._record_processed(settle, verdict)
+            if in_savepoint:
+                _end_savepoint(settle, keep=verdict.outcome in _KEPT)
+            carry_out(self.transport, delivery, verdict, settle)
+            if self._after_settle:
+                settle.run()
                 self.handler.after_settle(delivery.message, verdict.outcome, conn)
-                conn.execute("COMMIT")
+            settle.execute("COMMIT")
+            settle.run()
         self._record(delivery, verdict, started)
         return True
 
@@ -109,9 +115,10 @@ class Runner:
             with self.pool.connection() as conn:
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
                 verdict, _, started = self._process(delivery, conn, savepoint=False)
-                with conn.pipeline():
-                    self._record_processed(conn, verdict)
-                    conn.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
+                end = Batch(conn)
+                self._record_processed(end, verdict)
+                end.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
+                end.run()
         except Exception:
             # The database failed, not the message: hand it back, or a kafka transport would
             # hold its key and its partition's commits until a restart.
@@ -150,20 +157,19 @@ class Runner:
         except Exception as exc:
             return on_bad_entity(exc), False
         delivery.entity = key.describe()
-        with conn.pipeline():  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
-            if conn.info.transaction_status == TransactionStatus.IDLE:
-                conn.execute("BEGIN")
-            cursor = conn.execute(key.sql, key.params)
-            if savepoint:
-                # After the lock: rolling the savepoint back must not release the lock.
-                conn.execute(SAVEPOINT)
-            # A plain read: it never waits, and under the lock it sees every committed
-            # call for this entity.
-            seen = (
-                None
-                if dedup_key is None
-                else conn.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
-            )
+        batch = Batch(conn)  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
+        if conn.info.transaction_status == TransactionStatus.IDLE:
+            batch.execute("BEGIN")
+        cursor = batch.execute(key.sql, key.params)
+        if savepoint:
+            # After the lock: rolling the savepoint back must not release the lock.
+            batch.execute(SAVEPOINT)
+        # A plain read: it never waits, and under the lock it sees every committed call for
+        # this entity.
+        seen = (
+            None if dedup_key is None else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
+        )
+        batch.run()
         row = cursor.fetchone()
         if not (row and row[0]):
             return on_contended(handler, delivery), savepoint
@@ -188,7 +194,7 @@ class Runner:
         if verdict.outcome is Outcome.SUCCEEDED and delivery.contended_since is not None:
             self._lock_wait.observe(max(0.0, time.time() - delivery.contended_since))
 
-    def _record_processed(self, conn: psycopg.Connection[Any], verdict: Verdict) -> None:
+    def _record_processed(self, conn: Executor, verdict: Verdict) -> None:
         if verdict.record is not None:
             conn.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
 
@@ -246,7 +252,7 @@ def _check_transaction(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def _end_savepoint(conn: psycopg.Connection[Any], keep: bool) -> None:
+def _end_savepoint(conn: Executor, keep: bool) -> None:
     # Ended before the job is settled: a row deleted or updated inside a subtransaction makes
     # later claims look its xid up in pg_subtrans (measured: claim 0.1 ms -> 0.65 ms).
     if not keep:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import psycopg
 
     from .config import WorkerConfig
+    from .wire import Executor
 
 
 @dataclass(slots=True)
@@ -35,8 +36,8 @@ class Transport(Protocol):
 
     When `settles_in_transaction` is true (the postgres queue), `receive` begins the message's
     transaction on `conn` (an autocommit connection) with its claim, the runner takes the entity
-    lock in it, and the settling calls run in it before COMMIT; otherwise `conn` is None and
-    settling happens after the transaction committed.
+    lock in it, and the settling calls run in it before COMMIT, queued on a `wire.Batch`;
+    otherwise `conn` is None and settling happens after the transaction committed.
     """
 
     name: str
@@ -44,21 +45,19 @@ class Transport(Protocol):
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None: ...
 
-    def ack(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None: ...
+    def ack(self, delivery: Delivery, conn: Executor | None) -> None: ...
 
     def requeue(
         self,
         delivery: Delivery,
         delay: float,
-        conn: psycopg.Connection[Any] | None,
+        conn: Executor | None,
         *,
         contended: bool,
         error: str = "",
     ) -> None: ...
 
-    def dead_letter(
-        self, delivery: Delivery, reason: str, conn: psycopg.Connection[Any] | None
-    ) -> None: ...
+    def dead_letter(self, delivery: Delivery, reason: str, conn: Executor | None) -> None: ...
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None: ...
 

@@ -10,11 +10,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from http.server import ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
+import psycopg
+import tenacity
 from psycopg_pool import ConnectionPool
 
 from . import metrics
@@ -72,7 +74,7 @@ class Worker:
         return str(queue or self.config.queue)
 
     def setup(self) -> None:
-        self._check_pooler()
+        self._at_start(self._check_pooler)
         size = self.config.concurrency * len(self.handlers) + 1  # +1: the scheduler
         self._pool = open_pool(
             self.config.dsn,
@@ -81,8 +83,7 @@ class Worker:
             pgbouncer=self.config.pgbouncer,
             name="dedupworker:" + ",".join(h.name for h in self.handlers),
         )
-        with self._pool.connection() as conn:
-            check_schema(conn)
+        self._at_start(self._check_schema)
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
@@ -92,6 +93,25 @@ class Worker:
             info = (__version__, self.config.transport, str(self.config.concurrency))
             metrics.WORKER_INFO.labels(*info).set(1)
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
+
+    def _at_start(self, step: Callable[[], None]) -> None:
+        """Run a start-up check again while the database is restarting (until connect_timeout)."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(psycopg.OperationalError),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=2.0),
+            stop=tenacity.stop_after_delay(self.config.connect_timeout),
+            before_sleep=lambda state: log.warning(
+                "start-up check failed (%s); retrying",
+                state.outcome.exception() if state.outcome else "unknown error",
+            ),
+            reraise=True,
+        )
+        retrying(step)
+
+    def _check_schema(self) -> None:
+        assert self._pool is not None
+        with self._pool.connection() as conn:
+            check_schema(conn)
 
     def _check_pooler(self) -> None:
         """Detect a transaction pooler at start, rather than fail on LISTEN or prepares later."""

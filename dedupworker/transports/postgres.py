@@ -14,6 +14,7 @@ from ..config import WorkerConfig
 from ..db import connection_kwargs
 from ..message import Message
 from ..transport import Delivery
+from ..wire import Batch, Executor
 
 log = logging.getLogger("dedupworker")
 
@@ -40,16 +41,17 @@ class PostgresTransport:
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
         assert conn is not None, "the postgres transport claims inside the locked transaction"
-        with conn.pipeline():  # the message's transaction starts here, with the claim
-            conn.execute("BEGIN")
-            cursor = conn.execute(sql.CLAIM, (self.queue,))
+        batch = Batch(conn)  # the message's transaction starts here, with the claim
+        batch.execute("BEGIN")
+        cursor = batch.execute(sql.CLAIM, (self.queue,))
+        batch.run()
         row = cursor.fetchone()
         if row is None:
             return None
         job_id, body, headers, attempts, contentions, contended_since = row
         message = Message(
             id=str(job_id),
-            body=bytes(body),
+            body=body,
             headers={str(k): str(v) for k, v in (headers or {}).items()},
             attempt=attempts + 1,
             transport=self.name,
@@ -58,14 +60,14 @@ class PostgresTransport:
             message, contentions=contentions, receipt=job_id, contended_since=contended_since
         )
 
-    def ack(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
+    def ack(self, delivery: Delivery, conn: Executor | None) -> None:
         _require(conn).execute(sql.ACK, (delivery.receipt,))
 
     def requeue(
         self,
         delivery: Delivery,
         delay: float,
-        conn: psycopg.Connection[Any] | None,
+        conn: Executor | None,
         *,
         contended: bool,
         error: str = "",
@@ -75,9 +77,7 @@ class PostgresTransport:
         else:
             _require(conn).execute(sql.REQUEUE_FAILED, (delay, error, delivery.receipt))
 
-    def dead_letter(
-        self, delivery: Delivery, reason: str, conn: psycopg.Connection[Any] | None
-    ) -> None:
+    def dead_letter(self, delivery: Delivery, reason: str, conn: Executor | None) -> None:
         _require(conn).execute(sql.DEAD_LETTER, (reason, delivery.receipt))
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
@@ -131,6 +131,6 @@ class PostgresTransport:
                 self._closed.wait(self.config.poll_interval)
 
 
-def _require(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+def _require(conn: Executor | None) -> Executor:
     assert conn is not None, "the postgres transport settles inside the locked transaction"
     return conn

@@ -1,0 +1,124 @@
+"""dedupworker.wire against a real PostgreSQL: parameters, results, errors, prepared statements."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+
+from dedupworker import wire
+from dedupworker.wire import Batch
+
+pytestmark = pytest.mark.postgres
+
+ECHO = "SELECT %s::int8, %s::float8, %s::text, %s::bytea, %s::bool, %s::int4, %s::jsonb"
+
+
+@pytest.fixture
+def prepared(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    wire.configure(conn, prepare=True)
+    return conn
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_parameters_and_results_round_trip(conn: psycopg.Connection[Any], prepare: bool) -> None:
+    wire.configure(conn, prepare=prepare)
+    values = (2**62, 0.25, "ünïcode ' \" ; DROP TABLE x; --", b"\x00\xff\x10", True, None, None)
+    for _ in range(3):  # the first run prepares (when asked to), later ones reuse
+        batch = Batch(conn)
+        batch.execute("BEGIN")
+        echoed = batch.execute(ECHO, values)
+        headers = batch.execute("SELECT %s::jsonb, '{}'::jsonb", ('{"a": "b"}',))
+        batch.execute("COMMIT")
+        batch.run()
+        assert echoed.fetchone() == values
+        assert echoed.fetchone() is None
+        assert headers.fetchone() == ({"a": "b"}, {})
+    names = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+    assert names == ((2,) if prepare else (0,))
+
+
+def test_many_rows_come_back_in_order(prepared: psycopg.Connection[Any]) -> None:
+    batch = Batch(prepared)
+    rows = batch.execute("SELECT g, g::text FROM generate_series(1, %s) AS g", (500,))
+    batch.run()
+    got = []
+    while (row := rows.fetchone()) is not None:
+        got.append(row)
+    assert got == [(i, str(i)) for i in range(1, 501)]
+
+
+def test_an_error_raises_the_first_statements_error_and_leaves_the_transaction_aborted(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    prepared.execute("INSERT INTO t VALUES (1)")
+    batch = Batch(prepared)
+    batch.execute("BEGIN")
+    batch.execute("INSERT INTO t VALUES (%s)", (1,))
+    after = batch.execute("SELECT %s::int4", (7,))
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        batch.run()
+    assert after.fetchone() is None
+    assert prepared.info.transaction_status == TransactionStatus.INERROR
+    prepared.execute("ROLLBACK")
+    again = Batch(prepared)
+    again.execute("BEGIN")
+    ok = again.execute("SELECT %s::int4", (7,))
+    again.execute("COMMIT")
+    again.run()
+    assert ok.fetchone() == (7,)
+
+
+def test_statements_dropped_behind_its_back_are_prepared_again(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    def select_one() -> Any:
+        batch = Batch(prepared)
+        row = batch.execute("SELECT %s::int4 + 1", (1,))
+        batch.run()
+        return row.fetchone()
+
+    assert select_one() == (2,)
+    prepared.execute("DEALLOCATE ALL")
+    with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+        select_one()
+    assert select_one() == (2,)
+
+
+def test_a_rollback_through_psycopg_keeps_the_prepared_statements(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    # psycopg answers ROLLBACK with DEALLOCATE ALL once it prepared something itself;
+    # configured connections never let it.
+    for _ in range(6):
+        prepared.execute("SELECT %s::int4", (1,))
+    batch = Batch(prepared)
+    batch.execute("BEGIN")
+    batch.execute("SELECT %s::int4 + 2", (1,))
+    batch.run()
+    with prepared.transaction():
+        pass
+    prepared.execute("ROLLBACK")
+    names = prepared.execute("SELECT name FROM pg_prepared_statements").fetchall()
+    assert len(names) == 1 and names[0][0].startswith("dedupworker_")
+
+
+def test_a_dead_connection_raises_operational_error(prepared: psycopg.Connection[Any]) -> None:
+    with psycopg.connect(prepared.info.dsn, autocommit=True) as killer:
+        pid = prepared.info.backend_pid
+        killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    batch = Batch(prepared)
+    batch.execute("SELECT 1")
+    with pytest.raises(psycopg.OperationalError):
+        batch.run()
+    assert prepared.broken or prepared.pgconn.status != psycopg.pq.ConnStatus.OK
+
+
+def test_unsupported_parameter_types_are_refused_before_sending(
+    conn: psycopg.Connection[Any],
+) -> None:
+    with pytest.raises(TypeError, match="cannot send a dict parameter"):
+        Batch(conn).execute("SELECT %s", ({"a": 1},))
