@@ -41,6 +41,10 @@ class Handler:
         multiplier=0.05, max=5.0
     )
     contention_budget: ClassVar[int | None] = 1000
+    # Seconds a thread waits for another thread of this worker that runs the same entity,
+    # instead of requeueing its message (one waiter per entity; it keeps its transaction and
+    # pooled connection open meanwhile). 0: requeue at once.
+    local_wait: ClassVar[float] = 0.5
     # The dedup ledger's namespace for this handler's keys (default: the class name). Handlers
     # that must not apply the same business key twice between them share one scope.
     dedup_scope: ClassVar[str | None] = None
@@ -123,6 +127,9 @@ def validate_handler(handler: Handler) -> None:
     budget = cls.contention_budget
     if budget is not None and (not is_int(budget) or budget < 1):
         raise ConfigurationError(f"{cls.__name__}.contention_budget must be None or an int >= 1")
+    wait = cls.local_wait
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
+        raise ConfigurationError(f"{cls.__name__}.local_wait must be seconds from 0 to 3600")
     for method in ("entity_id", "handle"):
         if getattr(cls, method) is getattr(Handler, method):
             raise ConfigurationError(f"{cls.__name__} must implement {method}()")

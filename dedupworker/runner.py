@@ -11,6 +11,7 @@ transaction.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from . import metrics, sql
 from .db import fetch_flag
 from .handler import Handler
 from .hot import HotEntities
-from .keys import lock_key
+from .keys import LockKey, lock_key
 from .outcomes import (
     DUPLICATE,
     Outcome,
@@ -36,6 +37,7 @@ from .outcomes import (
     on_success,
 )
 from .transport import Delivery, Transport
+from .turns import LocalTurns
 from .wire import Batch, Executor
 
 log = logging.getLogger("dedupworker")
@@ -64,6 +66,7 @@ class Runner:
         # Prometheus recording costs per message; skipped when nothing serves /metrics.
         self.observe = observe
         self.hot = HotEntities()
+        self.turns = LocalTurns()
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
         self._scope = handler.ledger_scope
@@ -88,12 +91,12 @@ class Runner:
     def _step_in_transaction(self) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        with self.pool.connection() as conn:
+        with self.pool.connection() as conn, contextlib.ExitStack() as turns:
             delivery = self.transport.receive(conn)  # BEGIN + claim: one round trip
             if delivery is None:
                 conn.execute("ROLLBACK")
                 return False
-            verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
+            verdict, in_savepoint, started = self._process(delivery, conn, True, turns)
             settle = Batch(conn)  # ledger + end of savepoint + settlement + COMMIT: one trip
             self._record_processed(settle, verdict)
             if in_savepoint:
@@ -112,9 +115,9 @@ class Runner:
         if delivery is None:
             return False
         try:
-            with self.pool.connection() as conn:
+            with self.pool.connection() as conn, contextlib.ExitStack() as turns:
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
-                verdict, _, started = self._process(delivery, conn, savepoint=False)
+                verdict, _, started = self._process(delivery, conn, False, turns)
                 end = Batch(conn)
                 self._record_processed(end, verdict)
                 end.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
@@ -129,24 +132,34 @@ class Runner:
         return True
 
     def _process(
-        self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
+        self,
+        delivery: Delivery,
+        conn: psycopg.Connection[Any],
+        savepoint: bool,
+        turns: contextlib.ExitStack,
     ) -> tuple[Verdict, bool, float]:
         if self.observe:
             self._in_flight.inc()
         try:
             started = time.perf_counter()
-            verdict, in_savepoint = self.decide(delivery, conn, savepoint)
+            verdict, in_savepoint = self.decide(delivery, conn, savepoint, turns)
             return verdict, in_savepoint, started
         finally:
             if self.observe:
                 self._in_flight.dec()
 
     def decide(
-        self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
+        self,
+        delivery: Delivery,
+        conn: psycopg.Connection[Any],
+        savepoint: bool,
+        turns: contextlib.ExitStack,
     ) -> tuple[Verdict, bool]:
         """Take the entity lock (and a savepoint after it), run the handler, decide.
 
         Returns the verdict and whether the savepoint is still open for the caller to end.
+        The entity's turn among this process's threads is held in `turns` until the caller
+        has committed.
         """
         handler, message = self.handler, delivery.message
         try:
@@ -157,6 +170,19 @@ class Runner:
         except Exception as exc:
             return on_bad_entity(exc), False
         delivery.entity = key.describe()
+        if not turns.enter_context(self.turns.turn((key.sql, key.params), handler.local_wait)):
+            return on_contended(handler, delivery), False  # a thread of ours runs it: no trip
+        return self._locked_call(delivery, conn, key, dedup_key, savepoint)
+
+    def _locked_call(
+        self,
+        delivery: Delivery,
+        conn: psycopg.Connection[Any],
+        key: LockKey,
+        dedup_key: str | None,
+        savepoint: bool,
+    ) -> tuple[Verdict, bool]:
+        handler, message = self.handler, delivery.message
         batch = Batch(conn)  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
         if conn.info.transaction_status == TransactionStatus.IDLE:
             batch.execute("BEGIN")

@@ -216,7 +216,7 @@ class Worker:
         errors = 0
         while not self.stop_event.is_set():
             try:
-                worked = runner.step()
+                self._once(runner)
                 errors = 0
             except Exception as exc:
                 errors += 1
@@ -229,16 +229,19 @@ class Worker:
                     delay,
                 )
                 self.stop_event.wait(delay)
-                continue
-            self.last_progress = time.monotonic()
-            if self.observing:
-                metrics.HEARTBEAT.set(time.time())
-            if worked:
-                continue
-            if self.config.drain and self._drained():
-                self.stop_event.set()
-                break
-            runner.transport.wait_for_work(self.stop_event, self.config.poll_interval)
+
+    def _once(self, runner: Runner) -> None:
+        """One message, or (when none was ready) the drain check and a wait for work."""
+        worked = runner.step()
+        self.last_progress = time.monotonic()
+        if self.observing:
+            metrics.HEARTBEAT.set(time.time())
+        if worked:
+            return
+        if self.config.drain and self._drained():
+            self.stop_event.set()
+            return
+        runner.transport.wait_for_work(self.stop_event, self.config.poll_interval)
 
     def _housekeeping(self) -> None:
         """From the main thread: queue depth every 15 s, hot entities in the log every 60 s."""
