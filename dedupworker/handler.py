@@ -45,6 +45,11 @@ class Handler:
     # instead of requeueing its message (one waiter per entity; it keeps its transaction and
     # pooled connection open meanwhile). 0: requeue at once.
     local_wait: ClassVar[float] = 0.5
+    # Seconds one SQL statement of the handler, or one pause of it between statements, may
+    # take before PostgreSQL ends it: statement_timeout cancels the statement (a failure,
+    # retried), idle_in_transaction_session_timeout ends the session (the lock is released and
+    # the message comes back; the stuck Python code can no longer write). None: no limit.
+    timeout: ClassVar[float | None] = None
     # The dedup ledger's namespace for this handler's keys (default: the class name). Handlers
     # that must not apply the same business key twice between them share one scope.
     dedup_scope: ClassVar[str | None] = None
@@ -127,6 +132,11 @@ def validate_handler(handler: Handler) -> None:
     budget = cls.contention_budget
     if budget is not None and (not is_int(budget) or budget < 1):
         raise ConfigurationError(f"{cls.__name__}.contention_budget must be None or an int >= 1")
+    limit = cls.timeout
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int | float) or not limit >= 0.001
+    ):
+        raise ConfigurationError(f"{cls.__name__}.timeout must be None or seconds >= 0.001")
     wait = cls.local_wait
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
         raise ConfigurationError(f"{cls.__name__}.local_wait must be seconds from 0 to 3600")

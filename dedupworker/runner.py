@@ -72,6 +72,7 @@ class Runner:
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
+        self._timeout = None if handler.timeout is None else f"{int(handler.timeout * 1000)}ms"
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport.name)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport.name)
         self._counted = {
@@ -187,6 +188,8 @@ class Runner:
         if conn.info.transaction_status == TransactionStatus.IDLE:
             batch.execute("BEGIN")
         cursor = batch.execute(key.sql, key.params)
+        if self._timeout is not None:
+            batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         if savepoint:
             # After the lock: rolling the savepoint back must not release the lock.
             batch.execute(SAVEPOINT)

@@ -13,6 +13,12 @@ LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 
+# Transaction-scoped (SET LOCAL): safe behind a transaction pooler, gone at COMMIT.
+HANDLER_TIMEOUT = """
+SELECT set_config('statement_timeout', %s, true),
+       set_config('idle_in_transaction_session_timeout', %s, true)
+"""
+
 ACK = "DELETE FROM dedupworker.jobs WHERE id = %s"
 
 REQUEUE_CONTENDED = """

@@ -90,3 +90,45 @@ class MetricsProbe(Handler):
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         if message.json().get("fail_first") and message.attempt == 1:
             raise RuntimeError("first attempt fails")
+
+
+class HangsOnce(Handler):
+    """Hangs once per message (in Python or in SQL, as the body says) past its 1 s timeout.
+
+    Each call is recorded from a side connection (`test_calls`: message, started, ended, how it
+    ended); the first call of a message marks it in `test_hung` and then hangs.
+    """
+
+    lock_namespace = 44
+    timeout = 1.0
+    retry_backoff = tenacity.wait_fixed(0.1)
+
+    def __init__(self) -> None:
+        self._side = psycopg.connect(os.environ["DEDUPWORKER_DSN"], autocommit=True)
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        first = self._side.execute(
+            "INSERT INTO test_hung (message_id) VALUES (%s) ON CONFLICT DO NOTHING RETURNING 1",
+            (message.id,),
+        ).fetchone()
+        started = self._side.execute("SELECT clock_timestamp()").fetchone()
+        outcome = "finished"
+        try:
+            if first and body["hang"] == "python":
+                time.sleep(4)  # no statement runs: the session's idle timeout ends it
+            elif first and body["hang"] == "sql":
+                conn.execute("SELECT pg_sleep(30)")  # statement_timeout cancels it
+            conn.execute("INSERT INTO test_done (message_id) VALUES (%s)", (message.id,))
+        except Exception as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self._side.execute(
+                "INSERT INTO test_calls VALUES (%s, %s, %s, %s, clock_timestamp(), %s)",
+                (message.id, body["hang"], bool(first), started[0] if started else None, outcome),
+            )

@@ -45,6 +45,10 @@ def test_bad_handler_paths_say_what_to_fix(path: str, message: str) -> None:
         ({"lock_namespace": 1, "max_attempts": 0}, "max_attempts"),
         ({"lock_namespace": 1, "contention_budget": 0}, "contention_budget"),
         ({"lock_namespace": 1, "lock_key_mode": "int8"}, "lock_key_mode"),
+        ({"lock_namespace": 1, "local_wait": -1}, "local_wait"),
+        ({"lock_namespace": 1, "local_wait": "1"}, "local_wait"),
+        ({"lock_namespace": 1, "timeout": 0}, "timeout"),
+        ({"lock_namespace": 1, "timeout": True}, "timeout"),
     ],
 )
 def test_invalid_settings_are_refused(attrs: dict[str, Any], message: str) -> None:
