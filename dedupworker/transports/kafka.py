@@ -10,6 +10,12 @@ rebalance callbacks, pauses and resumes partitions and commits. Handler threads 
   contended one stays at the head with a not-before time;
 - the offset committed for a partition is its first unfinished offset (faust's `_new_offset`),
   so a crash re-delivers exactly the unfinished tail and never skips a message waiting to retry.
+
+With `--drain` the worker exits only once the whole topic is consumed by its group: every
+partition's committed offset is its end, found by fetching from it (not by ListOffsets, which
+some brokers answer wrongly). Its own partitions being done is not enough: a partition of a
+member that was killed is handed to a live member only once the broker expired the dead one's
+session, and a worker that left before then would leave that partition to nobody.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from .. import metrics
 from ..config import WorkerConfig
@@ -48,6 +62,13 @@ DEAD_LETTER_TIMEOUT = 30.0
 DEAD_LETTER_RETRY_DELAY = 5.0
 # At close the worker has already waited --shutdown-timeout for its handler threads.
 CLOSE_WAIT = 1.0
+# --drain: how often an idle worker asks whether the group has consumed the whole topic, and how
+# long one such check may take before it counts as "not yet".
+DRAIN_CHECK_INTERVAL = 0.5
+DRAIN_CHECK_TIMEOUT = 2.0
+# The drain check only needs to see whether a partition has a message at an offset: fetch little.
+PROBE_SETTINGS = {"max.partition.fetch.bytes": "1024"}
+RESET_TO_END = {"latest", "largest", "end"}
 
 # Set by dedupworker itself: the commit scheme depends on them.
 FIXED_CONSUMER = {
@@ -116,7 +137,11 @@ class _Partition:
 
     def at_end(self) -> bool:
         """Consumed to the end offset the broker reported, all finished and committed."""
-        if self.end is None or self.unfinished:
+        return self.end is not None and self.settled()
+
+    def settled(self) -> bool:
+        """Nothing buffered or running, and everything received is committed."""
+        if self.unfinished:  # includes the messages in flight
             return False
         return self.received < 0 or self.committed == self.received + 1
 
@@ -291,6 +316,16 @@ class _Buffer:
         with self._lock:
             return self.assigned and all(p.at_end() for p in self.partitions.values())
 
+    def idle(self) -> bool:
+        """Nothing buffered or running in any partition held here."""
+        with self._lock:
+            return not any(p.unfinished for p in self.partitions.values())
+
+    def settled(self) -> bool:
+        """No partition held here has work left or an uncommitted finished offset."""
+        with self._lock:
+            return all(p.settled() for p in self.partitions.values())
+
     def _release(self, item: _Pending) -> None:
         part = item.part
         part.busy.discard(item.key)
@@ -321,6 +356,13 @@ class KafkaTransport:
         self._revoke_wait = config.shutdown_timeout
         self._stopping = threading.Event()
         self._closed = False
+        # --drain: set by the consumer thread once the group has consumed the whole topic,
+        # cleared whenever a message arrives.
+        self._topic_consumed = threading.Event()
+        self._next_drain_check = 0.0
+        reset = str(consumer_settings.get("auto.offset.reset", "earliest")).lower()
+        self._reset_offset = OFFSET_END if reset in RESET_TO_END else OFFSET_BEGINNING
+        self._probe = _EndProbe({**consumer_settings, **PROBE_SETTINGS})
         self._consumer = _client(Consumer, consumer_settings)
         self._producer = _client(Producer, producer_settings)
         self._check_reachable()
@@ -391,8 +433,9 @@ class KafkaTransport:
         self._buffer.wake_all()
 
     def is_drained(self) -> bool:
-        """Every assigned partition consumed to its end offset, finished and committed."""
-        return self._buffer.drained()
+        """The group committed every partition of the topic up to its end, and nothing held
+        here is unfinished (see the module docstring)."""
+        return self._topic_consumed.is_set() and self._buffer.settled()
 
     def close(self) -> None:
         """Finish like a revoke of every partition, commit, leave the group."""
@@ -417,6 +460,8 @@ class KafkaTransport:
                     self._commit()
                     if self.config.metrics_port is not None:
                         self._export_lag()
+                if self.config.drain:
+                    self._check_drained()
             except Exception:
                 log.exception("Kafka consumer loop failed; retrying in 1s")
                 self._stopping.wait(1.0)
@@ -427,6 +472,7 @@ class KafkaTransport:
         for record in self._consumer.consume(POLL_BATCH, timeout):
             error = record.error()
             if error is None:
+                self._topic_consumed.clear()
                 self._buffer.add(record.partition(), _pending(record))
             elif error.code() == KafkaError._PARTITION_EOF:
                 self._buffer.mark_end(record.partition(), record.offset())
@@ -455,6 +501,42 @@ class KafkaTransport:
                 self._buffer.committed(part, offset)
             else:
                 log.warning("committing partition %d failed: %s", part.number, result.error)
+
+    def _check_drained(self) -> None:
+        """While idle, every DRAIN_CHECK_INTERVAL: has the group consumed the whole topic?"""
+        now = time.monotonic()
+        if self._topic_consumed.is_set() or now < self._next_drain_check:
+            return
+        self._next_drain_check = now + DRAIN_CHECK_INTERVAL
+        if not self._buffer.idle():
+            return
+        self._commit()  # what finished here counts once committed
+        if not self._buffer.settled():
+            return
+        try:
+            consumed = self._group_at_end()
+        except KafkaException as exc:
+            log.debug("--drain: cannot tell yet whether the topic is consumed (%s)", exc)
+            return
+        if consumed:
+            self._topic_consumed.set()
+
+    def _group_at_end(self) -> bool:
+        """Every partition of the topic has nothing at or after the group's committed offset."""
+        meta = self._consumer.list_topics(self.topic, timeout=DRAIN_CHECK_TIMEOUT)
+        topic = meta.topics.get(self.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            return False  # a topic that does not exist yet is not drained
+        wanted = [self._tp(number) for number in sorted(topic.partitions)]
+        starts = []
+        for tp in self._consumer.committed(wanted, timeout=DRAIN_CHECK_TIMEOUT):
+            if tp.error is not None:
+                return False
+            # No commit yet: where this group would start, by auto.offset.reset.
+            starts.append(
+                self._tp(tp.partition, tp.offset if tp.offset >= 0 else self._reset_offset)
+            )
+        return self._probe.nothing_from(starts, DRAIN_CHECK_TIMEOUT)
 
     def _export_lag(self) -> None:
         for number, base in self._buffer.lag_bases():
@@ -503,6 +585,7 @@ class KafkaTransport:
             self._consumer.close()  # runs _on_revoke for every partition, then leaves the group
         except Exception:
             log.exception("closing the Kafka consumer failed")
+        self._probe.close()
 
     # setup and the dead-letter producer
 
@@ -552,6 +635,45 @@ class KafkaTransport:
         if offset is None:
             return TopicPartition(self.topic, partition)
         return TopicPartition(self.topic, partition, offset)
+
+
+class _EndProbe:
+    """Tells whether partitions hold a message at or after given offsets by fetching from them.
+
+    A consumer that only ever uses assign(): it never joins the group nor commits. The end of a
+    partition is librdkafka's end-of-partition event, which follows the fetch responses' high
+    watermark; ListOffsets is not used (tansu 0.6.0 answers it with the last batch's base offset
+    + 1). Used from the consumer thread only.
+    """
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._settings = settings
+        self._consumer: Any = None
+
+    def nothing_from(self, starts: list[Any], timeout: float) -> bool:
+        if self._consumer is None:
+            self._consumer = _client(Consumer, self._settings)
+        consumer = self._consumer
+        pending = {tp.partition for tp in starts}
+        deadline = time.monotonic() + timeout
+        consumer.assign(starts)
+        try:
+            while pending and time.monotonic() < deadline:
+                for record in consumer.consume(POLL_BATCH, POLL_TIMEOUT):
+                    error = record.error()
+                    if error is None:
+                        return False  # a message the group has not committed past
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(record.partition())
+            return not pending
+        finally:
+            consumer.unassign()
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                self._consumer.close()
+            self._consumer = None
 
 
 def client_settings(config: WorkerConfig) -> tuple[dict[str, Any], dict[str, Any]]:
