@@ -8,7 +8,8 @@ All three run the same transaction per message on the same queue table, in three
 
 A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process.
 B. plain psycopg: C threads, one autocommit connection each, the statements above in a loop,
-   pipelined exactly as the runner does.
+   in the same three pipelines through psycopg's pipeline API (the runner sends them through
+   libpq directly, see dedupworker.wire).
 C. pgbench: the same statements as a custom script (-M prepared), the database's ceiling;
    pgbench cannot use gset inside a pipeline, so its BEGIN and claim are two round trips and the
    other five statements one pipeline.
