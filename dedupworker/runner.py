@@ -11,7 +11,6 @@ transaction.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -92,22 +91,25 @@ class Runner:
     def _step_in_transaction(self) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        with self.pool.connection() as conn, contextlib.ExitStack() as turns:
+        with self.pool.connection() as conn:
             delivery = self.transport.receive(conn)  # BEGIN + claim: one round trip
             if delivery is None:
                 conn.execute("ROLLBACK")
                 return False
-            verdict, in_savepoint, started = self._process(delivery, conn, True, turns)
-            settle = Batch(conn)  # ledger + end of savepoint + settlement + COMMIT: one trip
-            self._record_processed(settle, verdict)
-            if in_savepoint:
-                _end_savepoint(settle, keep=verdict.outcome in _KEPT)
-            carry_out(self.transport, delivery, verdict, settle)
-            if self._after_settle:
+            try:
+                verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
+                settle = Batch(conn)  # ledger + end of savepoint + settlement + COMMIT: one trip
+                self._record_processed(settle, verdict)
+                if in_savepoint:
+                    _end_savepoint(settle, keep=verdict.outcome in _KEPT)
+                carry_out(self.transport, delivery, verdict, settle)
+                if self._after_settle:
+                    settle.run()
+                    self.handler.after_settle(delivery.message, verdict.outcome, conn)
+                settle.execute("COMMIT")
                 settle.run()
-                self.handler.after_settle(delivery.message, verdict.outcome, conn)
-            settle.execute("COMMIT")
-            settle.run()
+            finally:
+                self._end_turn(delivery)
         self._record(delivery, verdict, started)
         return True
 
@@ -116,9 +118,9 @@ class Runner:
         if delivery is None:
             return False
         try:
-            with self.pool.connection() as conn, contextlib.ExitStack() as turns:
+            with self.pool.connection() as conn:
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
-                verdict, _, started = self._process(delivery, conn, False, turns)
+                verdict, _, started = self._process(delivery, conn, savepoint=False)
                 end = Batch(conn)
                 self._record_processed(end, verdict)
                 end.execute("COMMIT" if verdict.outcome is Outcome.SUCCEEDED else "ROLLBACK")
@@ -128,39 +130,38 @@ class Runner:
             # hold its key and its partition's commits until a restart.
             self.transport.requeue(delivery, GIVE_BACK_DELAY, None, contended=True)
             raise
+        finally:
+            self._end_turn(delivery)
         carry_out(self.transport, delivery, verdict, None)
         self._record(delivery, verdict, started)
         return True
 
+    def _end_turn(self, delivery: Delivery) -> None:
+        if delivery.turn is not None:
+            self.turns.give_back(delivery.turn)
+            delivery.turn = None
+
     def _process(
-        self,
-        delivery: Delivery,
-        conn: psycopg.Connection[Any],
-        savepoint: bool,
-        turns: contextlib.ExitStack,
+        self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
     ) -> tuple[Verdict, bool, float]:
         if self.observe:
             self._in_flight.inc()
         try:
             started = time.perf_counter()
-            verdict, in_savepoint = self.decide(delivery, conn, savepoint, turns)
+            verdict, in_savepoint = self.decide(delivery, conn, savepoint)
             return verdict, in_savepoint, started
         finally:
             if self.observe:
                 self._in_flight.dec()
 
     def decide(
-        self,
-        delivery: Delivery,
-        conn: psycopg.Connection[Any],
-        savepoint: bool,
-        turns: contextlib.ExitStack,
+        self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
     ) -> tuple[Verdict, bool]:
         """Take the entity lock (and a savepoint after it), run the handler, decide.
 
         Returns the verdict and whether the savepoint is still open for the caller to end.
-        The entity's turn among this process's threads is held in `turns` until the caller
-        has committed.
+        The entity's turn among this process's threads is left in `delivery.turn` for the
+        caller to give back after its COMMIT.
         """
         handler, message = self.handler, delivery.message
         try:
@@ -171,8 +172,10 @@ class Runner:
         except Exception as exc:
             return on_bad_entity(exc), False
         delivery.entity = key.describe()
-        if not turns.enter_context(self.turns.turn((key.sql, key.params), handler.local_wait)):
+        turn = (key.sql, key.params)
+        if not self.turns.take(turn, handler.local_wait):
             return on_contended(handler, delivery), False  # a thread of ours runs it: no trip
+        delivery.turn = turn
         return self._locked_call(delivery, conn, key, dedup_key, savepoint)
 
     def _locked_call(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +30,8 @@ class Delivery:
     contended_since: float | None = None
     # "namespace:key" once the runner computed it, for logs.
     entity: str = ""
+    # The entity's turn among the worker's threads, held from the lock until after COMMIT.
+    turn: Hashable | None = None
 
 
 class Transport(Protocol):

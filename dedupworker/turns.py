@@ -11,8 +11,7 @@ stays the only thing that excludes; this only saves round trips inside one proce
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Hashable
 
 WAITERS = 1  # threads allowed to wait for one entity, besides the one running it
 
@@ -30,28 +29,29 @@ class LocalTurns:
         self._mutex = threading.Lock()
         self._turns: dict[Hashable, _Turn] = {}
 
-    @contextmanager
-    def turn(self, key: Hashable, wait: float) -> Iterator[bool]:
-        """Hold the entity's turn for the block; yields False when it could not be had."""
+    def take(self, key: Hashable, wait: float) -> bool:
+        """Wait up to `wait` s for the entity's turn; False at once when another thread waits."""
         with self._mutex:
             turn = self._turns.get(key)
             if turn is None:
                 turn = self._turns[key] = _Turn()
-            if turn.users > WAITERS:
-                yield_false = True
-            else:
-                turn.users += 1
-                yield_false = False
-        if yield_false:
-            yield False
-            return
-        acquired = turn.lock.acquire(timeout=wait) if wait > 0 else turn.lock.acquire(False)
-        try:
-            yield acquired
-        finally:
-            if acquired:
-                turn.lock.release()
-            with self._mutex:
-                turn.users -= 1
-                if turn.users == 0:
-                    del self._turns[key]
+            elif turn.users > WAITERS:
+                return False
+            turn.users += 1
+        if turn.lock.acquire(timeout=wait) if wait > 0 else turn.lock.acquire(False):
+            return True
+        self._leave(key, turn)
+        return False
+
+    def give_back(self, key: Hashable) -> None:
+        """End a turn that `take` gave."""
+        with self._mutex:
+            turn = self._turns[key]
+        turn.lock.release()
+        self._leave(key, turn)
+
+    def _leave(self, key: Hashable, turn: _Turn) -> None:
+        with self._mutex:
+            turn.users -= 1
+            if turn.users == 0:
+                del self._turns[key]
