@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .errors import ConfigurationError
+
+_QUEUE_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
+
+
+def check_queue_name(name: str) -> None:
+    """A postgres queue name: 1 to 200 characters, no whitespace or control characters."""
+    if not isinstance(name, str) or not _QUEUE_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"invalid queue name {str(name)[:60]!r}: use 1 to 200 characters without spaces or "
+            "control characters (letters, digits and ._:/- are safe)"
+        )
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,8 @@ class WorkerConfig:
             raise ConfigurationError("no database given: pass --dsn or set DEDUPWORKER_DSN")
         if not self.queue:
             raise ConfigurationError("no queue given: pass --queue or set DEDUPWORKER_QUEUE")
+        if self.transport == "postgres":
+            check_queue_name(self.queue)
         if self.concurrency < 1:
             raise ConfigurationError(f"--concurrency must be >= 1, got {self.concurrency}")
         for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):

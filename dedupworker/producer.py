@@ -11,6 +11,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import sql
+from .config import check_queue_name
 
 Body = bytes | str | Mapping[str, Any] | list[Any]
 BATCH_SIZE = 1000
@@ -39,8 +40,7 @@ def enqueue(
     so a producer enqueues atomically with its own writes and commits as usual (workers are
     woken at that commit); in autocommit mode the batch commits on its own.
     """
-    if not queue:
-        raise ValueError("queue must be a non-empty string")
+    check_queue_name(queue)
     header_value = Jsonb(dict(headers or {}))
     ids: list[int] = []
     with conn.transaction() if conn.autocommit else contextlib.nullcontext():

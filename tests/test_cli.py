@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dedupworker import ConfigurationError
+from dedupworker import ConfigurationError, WorkerConfig, enqueue
 from dedupworker.cli import _merge_pairs, build_parser
 
 from .conftest import cli
@@ -56,6 +56,19 @@ def test_zero_concurrency_is_refused() -> None:
     result = cli("run", "examples.recorder:RecordCalls", "--dsn", "x", "--concurrency", "0")
     assert result.returncode == 2
     assert "--concurrency must be >= 1" in result.stderr
+
+
+@pytest.mark.parametrize("queue", ["two words", "tab\there", "x" * 201, "nul\x00"])
+def test_bad_queue_names_are_refused(queue: str) -> None:
+    with pytest.raises(ConfigurationError, match="invalid queue name"):
+        WorkerConfig(dsn="x", queue=queue)
+    with pytest.raises(ConfigurationError, match="invalid queue name"):
+        enqueue(None, queue, [{}])  # type: ignore[arg-type]  # refused before any SQL
+
+
+def test_queue_names_for_sqs_and_kafka_are_left_to_them() -> None:
+    url = "http://127.0.0.1:4566/000000000000/orders queue"
+    assert WorkerConfig(dsn="x", queue=url, transport="sqs").queue == url
 
 
 def test_logging_options_work_before_and_after_the_command() -> None:
