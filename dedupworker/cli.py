@@ -171,6 +171,14 @@ def _add_transport_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="sqs: seconds a received message stays hidden (default: the queue's)",
     )
+    add_option(
+        p,
+        "--prefetch",
+        type=int,
+        default=9,
+        help="sqs: messages a worker may receive beyond its idle threads, kept invisible "
+        "while they wait (0-9; lower it for slow handlers and many workers)",
+    )
     add_option(p, "--bootstrap-servers", help="kafka: HOST:PORT[,HOST:PORT...]")
     add_option(p, "--group-id", help="kafka: consumer group")
     # Repeatable, so its environment variable is merged in _config (argparse cannot append
@@ -266,6 +274,7 @@ def _config(args: argparse.Namespace) -> Any:
         dead_retention=args.dead_retention,
         dead_letter=args.dead_letter,
         visibility_timeout=args.visibility_timeout,
+        prefetch=args.prefetch,
         bootstrap_servers=args.bootstrap_servers,
         group_id=args.group_id,
         kafka_options=_merge_pairs(args.kafka_options),

@@ -40,6 +40,8 @@ class WorkerConfig:
     dead_letter: str | None = None
     # sqs: seconds a received message stays invisible (default: the queue's setting).
     visibility_timeout: float | None = None
+    # sqs: messages received beyond the idle threads (a receive asks for at most 10)
+    prefetch: int = 9
     # kafka
     bootstrap_servers: str | None = None
     group_id: str | None = None
@@ -52,6 +54,8 @@ class WorkerConfig:
             raise ConfigurationError("no queue given: pass --queue or set DEDUPWORKER_QUEUE")
         if self.transport == "postgres":
             check_queue_name(self.queue)
+        if not 0 <= self.prefetch <= 9:
+            raise ConfigurationError(f"--prefetch must be 0..9, got {self.prefetch}")
         if self.concurrency < 1:
             raise ConfigurationError(f"--concurrency must be >= 1, got {self.concurrency}")
         for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):

@@ -120,14 +120,16 @@ def _receipt(delivery: Delivery) -> _Receipt:
 class _Inbox:
     """Received, unsettled messages and the idle threads waiting for them, under one lock.
 
-    A thread in `next()` takes a message that is ready, or fetches for every idle thread (at
-    most 10 messages), or waits for that fetch: receive never asks SQS for more messages than
-    there are idle threads to start them. FIFO: one message per group is ready at a time, the
+    A thread in `next()` takes a message that is ready, or fetches for every idle thread plus
+    `prefetch` (at most 10 messages), or waits for that fetch: the extra messages wait here,
+    their visibility kept alive, so that one thread does not pay a receive per message. FIFO:
+    one message per group is ready at a time, the
     rest of the group waits behind it, here, in order.
     """
 
-    def __init__(self, fifo: bool) -> None:
+    def __init__(self, fifo: bool, prefetch: int = 0) -> None:
         self.fifo = fifo
+        self.prefetch = prefetch
         self.cond = threading.Condition()
         self.held: dict[str, Delivery] = {}  # by receipt handle: visibility kept alive
         self.ready: collections.deque[Delivery] = collections.deque()
@@ -155,7 +157,7 @@ class _Inbox:
                 if self.empty_fetches != empty_fetches:
                     break  # the queue answered empty: let the worker check drain and stop
                 if self.requested == 0 or self.waiting - self.requested >= BATCH:
-                    want = min(BATCH, self.waiting - self.requested)
+                    want = min(BATCH, self.waiting - self.requested + self.prefetch)
                     self.requested += want
                     return want
                 self.cond.wait(self._until_due())
@@ -324,7 +326,9 @@ class SqsTransport:
         self._depth = {
             s: metrics.QUEUE_DEPTH.labels(self.name, queue_name, s) for s in DEPTH.values()
         }
-        self._inbox = _Inbox(self.fifo)
+        # FIFO: no prefetch. A message handed back takes the rest of its group with it, and
+        # every such receive would count toward the redrive policy's maxReceiveCount.
+        self._inbox = _Inbox(self.fifo, 0 if self.fifo else config.prefetch)
         self._visibility_lock = threading.RLock()
         self._tick = max(0.2, min(self.visibility / 4, 5.0))
         self._next_depth = 0.0
