@@ -8,8 +8,6 @@ client helpers (inherited from `Tansu`) go through the proxy as well: call them 
 
 from __future__ import annotations
 
-import subprocess
-import time
 from pathlib import Path
 
 from .kafka_server import Tansu
@@ -21,28 +19,6 @@ class ProxiedTansu(Tansu):
         super().__init__(binary)
         self.proxy = Proxy(self.port)
         self.bootstrap = f"127.0.0.1:{self.proxy.port}"
-
-    def start(self) -> None:
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(self.binary),
-                    "broker",
-                    "--listener-url",
-                    f"tcp://127.0.0.1:{self.port}",
-                    "--advertised-listener-url",
-                    f"tcp://{self.bootstrap}",
-                    "--storage-engine",
-                    "memory://tansu/",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 15
-        while not self._accepts():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tansu did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.02)
 
     def stop(self) -> None:
         self.proxy.close()

@@ -54,16 +54,16 @@ class Tansu:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        url = f"tcp://{self.bootstrap}"
+        # Clients connect to the advertised address: `bootstrap` (a proxy's, in a subclass).
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [
                     str(self.binary),
                     "broker",
                     "--listener-url",
-                    url,
+                    f"tcp://127.0.0.1:{self.port}",
                     "--advertised-listener-url",
-                    url,
+                    f"tcp://{self.bootstrap}",
                     "--storage-engine",
                     "memory://tansu/",
                 ],
