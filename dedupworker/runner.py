@@ -11,9 +11,11 @@ transaction.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -91,7 +93,7 @@ class Runner:
     def _step_in_transaction(self) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        with self.pool.connection() as conn:
+        with _borrowed(self.pool) as conn:
             delivery = self.transport.receive(conn)  # BEGIN + claim: one round trip
             if delivery is None:
                 conn.execute("ROLLBACK")
@@ -118,7 +120,7 @@ class Runner:
         if delivery is None:
             return False
         try:
-            with self.pool.connection() as conn:
+            with _borrowed(self.pool) as conn:
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
                 verdict, _, started = self._process(delivery, conn, savepoint=False)
                 end = Batch(conn)
@@ -282,6 +284,22 @@ def _check_transaction(conn: psycopg.Connection[Any]) -> None:
             "handle() ended the worker's transaction (commit or rollback), which released the "
             "entity lock early; use `with conn.transaction():` for nested blocks"
         )
+
+
+@contextlib.contextmanager
+def _borrowed(pool: ConnectionPool[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """A pool connection for one message: `pool.connection()` without its commit-on-exit
+    (every transaction here ends with its own COMMIT or ROLLBACK), half its cost per message."""
+    conn = pool.getconn()
+    try:
+        yield conn
+    except BaseException:
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+        raise
+    finally:
+        pool.putconn(conn)
 
 
 def _end_savepoint(conn: Executor, keep: bool) -> None:
