@@ -66,6 +66,12 @@ def test_bad_queue_names_are_refused(queue: str) -> None:
         enqueue(None, queue, [{}])  # type: ignore[arg-type]  # refused before any SQL
 
 
+@pytest.mark.parametrize("prefetch", [-1, 10])
+def test_prefetch_out_of_range_is_refused(prefetch: int) -> None:
+    with pytest.raises(ConfigurationError, match=r"--prefetch must be 0\.\.9"):
+        WorkerConfig(dsn="x", queue="https://sqs/1/q", transport="sqs", prefetch=prefetch)
+
+
 def test_queue_names_for_sqs_and_kafka_are_left_to_them() -> None:
     url = "http://127.0.0.1:4566/000000000000/orders queue"
     assert WorkerConfig(dsn="x", queue=url, transport="sqs").queue == url
