@@ -54,7 +54,7 @@ def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
                     "--log-level",
                     "ERROR",
                     "run",
-                    "bench.sleepy:Sleepy",
+                    args.handler,
                     "--dsn",
                     dsn,
                     "--queue",
@@ -86,6 +86,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads in all")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument(
+        "--handler",
+        default="bench.sleepy:Sleepy",
+        help="bench.sleepy:NoLocalWait requeues at once instead of waiting for its own thread",
+    )
     args = parser.parse_args()
     print("$ python -m bench.hot_entities " + shlex.join(sys.argv[1:]))
     server = private_postgres()

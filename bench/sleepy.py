@@ -19,3 +19,9 @@ class Sleepy(Handler):
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         time.sleep(message.json().get("work_ms", 2) / 1000)
+
+
+class NoLocalWait(Sleepy):
+    """The same, requeueing a message whose entity another thread of the worker runs."""
+
+    local_wait = 0.0
