@@ -29,12 +29,8 @@ def describe_dsn(dsn: str) -> str:
     return f"{user}@{host}:{port}/{params.get('dbname') or user}"
 
 
-def connection_kwargs(pgbouncer: bool, application_name: str) -> dict[str, Any]:
-    # A transaction-mode PgBouncer cannot keep prepared statements across transactions.
-    kwargs: dict[str, Any] = {"application_name": application_name}
-    if pgbouncer:
-        kwargs["prepare_threshold"] = None
-    return kwargs
+def connection_kwargs(application_name: str) -> dict[str, Any]:
+    return {"application_name": application_name}
 
 
 def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
@@ -86,8 +82,9 @@ def open_pool(
     dsn: str, size: int, timeout: float, *, pgbouncer: bool = False, name: str = "dedupworker"
 ) -> ConnectionPool[Any]:
     """A fixed-size pool, opened only after one connection proved the database reachable."""
-    # Autocommit: the runner sends BEGIN/COMMIT itself (see dedupworker.runner).
-    kwargs = {**connection_kwargs(pgbouncer, name), "autocommit": True}
+    # Autocommit: the runner sends BEGIN/COMMIT itself (see dedupworker.runner). Prepared
+    # statements (none behind a pooler) are settled per connection by `wire.configure`.
+    kwargs = {**connection_kwargs(name), "autocommit": True}
     connect(dsn, timeout, **kwargs).close()
     pool: ConnectionPool[Any] = ConnectionPool(
         dsn,

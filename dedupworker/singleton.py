@@ -88,7 +88,7 @@ class PurgeLedger(Singleton):
     every = 60.0
 
     def run(self, conn: psycopg.Connection[Any], tick: int, config: WorkerConfig) -> None:
-        _purge(conn, sql.PURGE_PROCESSED, config.ledger_retention, "dedup keys")
+        purge(conn, sql.PURGE_PROCESSED, config.ledger_retention, "dedup keys")
 
 
 class PurgeDead(Singleton):
@@ -98,19 +98,28 @@ class PurgeDead(Singleton):
 
     def run(self, conn: psycopg.Connection[Any], tick: int, config: WorkerConfig) -> None:
         if config.dead_retention > 0:
-            _purge(conn, sql.PURGE_DEAD, config.dead_retention, "dead jobs")
+            purge(conn, sql.PURGE_DEAD, config.dead_retention, "dead jobs")
 
 
 PURGE_BATCH = 10_000
 PURGE_BATCHES_PER_TICK = 10
 
 
-def _purge(conn: psycopg.Connection[Any], statement: str, retention: float, what: str) -> None:
+def purge(
+    conn: psycopg.Connection[Any],
+    statement: str,
+    retention: float,
+    what: str,
+    *,
+    batch: int = PURGE_BATCH,
+    batches: int = PURGE_BATCHES_PER_TICK,
+) -> None:
+    """Run a `DELETE ... LIMIT %s` statement (params: retention, batch) until it runs dry."""
     total = 0
-    for _ in range(PURGE_BATCHES_PER_TICK):
-        deleted = conn.execute(statement, (retention, PURGE_BATCH)).rowcount
+    for _ in range(batches):
+        deleted = conn.execute(statement, (retention, batch)).rowcount
         total += deleted
-        if deleted < PURGE_BATCH:
+        if deleted < batch:
             break
     if total:
         log.info("purged %d %s older than %gs", total, what, retention)
@@ -204,7 +213,7 @@ class Scheduler:
 
     def _attempt_with_session_lock(self, singleton: Singleton, tick: int) -> str:
         name = singleton.name
-        kwargs = connection_kwargs(False, f"dedupworker-singleton:{name}")
+        kwargs = connection_kwargs(f"dedupworker-singleton:{name}")
         with connect(
             self.config.dsn, self.config.connect_timeout, autocommit=True, **kwargs
         ) as conn:

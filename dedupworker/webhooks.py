@@ -44,7 +44,7 @@ from .handler import Handler
 from .message import Message
 from .outcomes import Outcome
 from .producer import BATCH_SIZE, encode_body
-from .singleton import Singleton
+from .singleton import Singleton, purge
 
 if TYPE_CHECKING:
     from urllib3.connectionpool import HTTPConnectionPool
@@ -748,6 +748,11 @@ class PurgeWebhookAttempts(Singleton):
     batches_per_tick: ClassVar[int] = 10
 
     def run(self, conn: psycopg.Connection[Any], tick: int, config: WorkerConfig) -> None:
-        for _ in range(self.batches_per_tick):
-            if conn.execute(_PURGE_ATTEMPTS, (self.retention, self.batch)).rowcount < self.batch:
-                break
+        purge(
+            conn,
+            _PURGE_ATTEMPTS,
+            self.retention,
+            "webhook attempts",
+            batch=self.batch,
+            batches=self.batches_per_tick,
+        )

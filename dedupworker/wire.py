@@ -22,6 +22,7 @@ Measured in `bench/README.md` (the runner's share of client CPU per message fell
 from __future__ import annotations
 
 import binascii
+import collections
 import hashlib
 import itertools
 import json
@@ -118,10 +119,10 @@ class Result:
     __slots__ = ("_rows",)
 
     def __init__(self) -> None:
-        self._rows: list[tuple[Any, ...]] = []
+        self._rows: collections.deque[tuple[Any, ...]] = collections.deque()
 
     def fetchone(self) -> tuple[Any, ...] | None:
-        return self._rows.pop(0) if self._rows else None
+        return self._rows.popleft() if self._rows else None
 
     def _fill(self, res: pq.abc.PGresult) -> None:
         rows = res.ntuples

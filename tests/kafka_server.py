@@ -19,6 +19,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from dedupworker.embedded import free_port
+
 # Heartbeats and session timeouts that keep a join or a rebalance near one second.
 FAST_GROUP = {"session.timeout.ms": "2000", "heartbeat.interval.ms": "300"}
 
@@ -34,13 +36,6 @@ def tansu_binary() -> Path | None:
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Tansu:

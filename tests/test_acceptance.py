@@ -37,8 +37,15 @@ def worker(dsn: str, handler: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def scalar(conn: psycopg.Connection[Any], query: str) -> Any:
-    row = conn.execute(query).fetchone()
+def assert_each_once(conn: psycopg.Connection[Any], count: int) -> None:
+    """`count` messages, each recorded by exactly one call, no two calls of an entity at once."""
+    assert scalar(conn, OVERLAPS) == 0
+    assert scalar(conn, "SELECT count(DISTINCT message_id) FROM example_calls") == count
+    assert scalar(conn, "SELECT count(*) FROM example_calls") == count
+
+
+def scalar(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
+    row = conn.execute(query, params).fetchone()
     assert row is not None
     return row[0]
 
@@ -77,9 +84,7 @@ def test_four_drain_processes_over_hot_entities_never_overlap_and_lose_nothing(
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
 
-    assert scalar(conn, OVERLAPS) == 0
-    assert scalar(conn, "SELECT count(DISTINCT message_id) FROM example_calls") == 400
-    assert scalar(conn, "SELECT count(*) FROM example_calls") == 400
+    assert_each_once(conn, 400)
     dead = conn.execute("SELECT status, last_error FROM dedupworker.jobs").fetchall()
     assert len(dead) == 1 and dead[0][0] == "dead"
     assert "malformed" in dead[0][1] and "JSONDecodeError" in dead[0][1]

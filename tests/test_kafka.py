@@ -26,13 +26,15 @@ from prometheus_client import REGISTRY
 
 from dedupworker import ConfigurationError, TransportError, WorkerConfig
 from dedupworker.db import open_pool
+from dedupworker.embedded import free_port
 from dedupworker.runner import Runner
 from dedupworker.transports import kafka as kafka_module
 from dedupworker.transports.kafka import KafkaTransport, _Buffer, _Pending
 
 from .conftest import ROOT, clean_env
 from .kafka_handlers import TABLE, RecordKeyed
-from .kafka_server import FAST_GROUP, Tansu, free_port, tansu_binary
+from .kafka_server import FAST_GROUP, Tansu, tansu_binary
+from .test_acceptance import scalar
 
 pytestmark = pytest.mark.postgres
 
@@ -64,12 +66,6 @@ def broker() -> Iterator[Tansu]:
 def calls(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     conn.execute(TABLE)
     return conn
-
-
-def scalar(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return row[0]
 
 
 def wait_until(check: Callable[[], bool], what: str, limit: float = 60) -> None:

@@ -117,7 +117,7 @@ class PostgresTransport:
             self._listener.join(timeout=5)
 
     def _listen(self) -> None:
-        kwargs = connection_kwargs(False, f"dedupworker-listen:{self.queue}")
+        kwargs = connection_kwargs(f"dedupworker-listen:{self.queue}")
         while not self._closed.is_set():
             try:
                 with psycopg.connect(self.config.dsn, autocommit=True, **kwargs) as conn:
