@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psycopg
 
-from dedupworker import enqueue
+from dedupworker import Message, enqueue
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 
@@ -35,9 +35,15 @@ def fill(dsn: str, args: argparse.Namespace) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         conn.execute("DELETE FROM dedupworker.jobs")
-        enqueue(conn, "hot", ({"entity": e, "work_ms": args.work_ms} for e in entities))
+        bodies = ({"entity": e, "work_ms": args.work_ms} for e in entities)
+        enqueue(conn, "hot", bodies, entity=entity_of if args.given else None)
         conn.execute("VACUUM ANALYZE dedupworker.jobs")
     return max(collections.Counter(entities).values())
+
+
+def entity_of(message: Message) -> object:
+    """bench.sleepy.Sleepy.entity_id: stored with each job (see enqueue's `entity`)."""
+    return message.json()["entity"]
 
 
 def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
@@ -87,6 +93,12 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument(
+        "--no-entity",
+        dest="given",
+        action="store_false",
+        help="enqueue without the entity (the worker locks it in a round trip of its own)",
+    )
+    parser.add_argument(
         "--handler",
         default="bench.sleepy:Sleepy",
         help="bench.sleepy:NoLocalWait requeues at once instead of waiting for its own thread",
@@ -104,12 +116,13 @@ def main() -> int:
     bound = max(busiest * work, args.messages * work / args.concurrency)
     elapsed = stats["elapsed_seconds"] / args.processes
     print(
-        "| messages | entities | concurrency | processes | lower bound s | drain s (worker) "
-        "| drain s (wall) | drain / bound | requeues per message |"
+        "| messages | entities | concurrency | processes | entity given | lower bound s "
+        "| drain s (worker) | drain s (wall) | drain / bound | requeues per message |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     print(
         f"| {args.messages:,} | {args.entities} | {args.concurrency} | {args.processes} "
+        f"| {'yes' if args.given else 'no'} "
         f"| {bound:.2f} | {elapsed:.2f} | {wall:.2f} | {elapsed / bound:.2f} "
         f"| {stats.get('contended', 0) / args.messages:.2f} |"
     )

@@ -1,18 +1,20 @@
 """Postgres-transport throughput: dedupworker vs a plain psycopg loop vs pgbench.
 
-All three run the same transaction per message on the same queue table, in three round trips:
+All three run the same transaction per message on the same queue table: claim one job
+(FOR UPDATE SKIP LOCKED), pg_try_advisory_xact_lock(77, entity), SAVEPOINT, RELEASE, DELETE the
+job, COMMIT. Round trips per message differ:
 
-    [BEGIN; claim one job (FOR UPDATE SKIP LOCKED)]
-    [pg_try_advisory_xact_lock(77, entity); SAVEPOINT]
-    [RELEASE; DELETE the job; COMMIT]
-
-A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process.
-B. plain psycopg: C threads, one autocommit connection each, the statements above in a loop,
-   in the same three pipelines through psycopg's pipeline API (the runner sends them through
-   libpq directly, see dedupworker.wire).
+A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process, twice. Over
+   jobs enqueued plainly: two round trips, [lock; SAVEPOINT] and [RELEASE; DELETE; COMMIT; BEGIN;
+   claim the next job]. Over jobs enqueued with their entity (`entity=` of enqueue), the claim
+   takes the entity lock too: one round trip, [RELEASE; DELETE; COMMIT; BEGIN; claim + lock;
+   SAVEPOINT].
+B. plain psycopg: C threads, one autocommit connection each, the same statements in a loop in
+   three pipelines through psycopg's pipeline API, [BEGIN; claim] [lock; SAVEPOINT] [RELEASE;
+   DELETE; COMMIT] (the runner sends its own through libpq directly, see dedupworker.wire).
 C. pgbench: the same statements as a custom script (-M prepared), the database's ceiling;
    pgbench cannot use gset inside a pipeline, so its BEGIN and claim are two round trips and the
-   other five statements one pipeline.
+   other five statements one pipeline: three round trips.
 
 Run from the repository root:  python bench/postgres_throughput.py --messages 20000
 """
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
@@ -40,7 +43,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import sql
+from dedupworker import Message, sql
 from dedupworker.embedded import find_local_bindir, private_postgres
 from dedupworker.producer import enqueue
 from dedupworker.schema import migrate
@@ -99,6 +102,7 @@ class WorkerMeasure(Measure):
 class Row:
     concurrency: int
     worker: WorkerMeasure
+    given: WorkerMeasure  # the same worker, the jobs' entities given at enqueue
     idle: WorkerMeasure  # the same worker started on an empty queue: startup + drain + exit
     plain: Measure
     pgbench: Measure | None
@@ -144,13 +148,22 @@ def machine(conn: psycopg.Connection[Any]) -> list[str]:
     ]
 
 
-def refill(conn: psycopg.Connection[Any], queue: str, count: int) -> tuple[int, int]:
-    """Empty the queue, vacuum away the last scenario's dead rows, enqueue `count` jobs."""
+def refill(
+    conn: psycopg.Connection[Any], queue: str, count: int, given: bool = False
+) -> tuple[int, int]:
+    """Empty the queue, vacuum away the last scenario's dead rows, enqueue `count` jobs (with
+    their entities, when `given`)."""
     conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (queue,))
     conn.execute("VACUUM dedupworker.jobs")
-    ids = enqueue(conn, queue, ({"entity": i} for i in range(count)))
+    entity = entity_of if given else None
+    ids = enqueue(conn, queue, ({"entity": i} for i in range(count)), entity=entity)
     conn.execute("ANALYZE dedupworker.jobs")
     return ids[0], ids[-1]
+
+
+def entity_of(message: Message) -> object:
+    """bench.noop.Noop.entity_id (not imported: this file runs as a script)."""
+    return message.json()["entity"]
 
 
 def require_empty(conn: psycopg.Connection[Any], queue: str, scenario: str) -> None:
@@ -330,6 +343,8 @@ def run_level(
     idle = run_idle_worker(dsn, queue, concurrency)
     worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency)
     require_empty(conn, queue, "dedupworker")
+    given = run_dedupworker(dsn, queue, refill(conn, queue, messages, given=True), concurrency)
+    require_empty(conn, queue, "dedupworker, entities given")
     refill(conn, queue, messages)
     plain = run_plain(dsn, queue, concurrency)
     require_empty(conn, queue, "plain psycopg")
@@ -339,9 +354,10 @@ def run_level(
         refill(conn, queue, per_client * concurrency)
         pgbench = run_pgbench(exe, dsn, queue, concurrency, per_client)
         require_empty(conn, queue, "pgbench")
-    row = Row(concurrency, worker, idle, plain, pgbench)
+    row = Row(concurrency, worker, given, idle, plain, pgbench)
     print(
-        f"  concurrency {concurrency}: dedupworker {worker.rate:,.0f}, plain {plain.rate:,.0f}, "
+        f"  concurrency {concurrency}: dedupworker {worker.rate:,.0f}, entities given "
+        f"{given.rate:,.0f}, plain {plain.rate:,.0f}, "
         f"pgbench {pgbench.rate if pgbench else 0:,.0f} msg/s",
         file=sys.stderr,
         flush=True,
@@ -378,6 +394,7 @@ def median_rows(rounds: list[list[Row]]) -> list[Row]:
             Row(
                 level[0].concurrency,
                 median_low([r.worker for r in level]),
+                median_low([r.given for r in level]),
                 median_low([r.idle for r in level]),
                 median_low([r.plain for r in level]),
                 median_low(pgbench) if pgbench else None,
@@ -396,8 +413,8 @@ def table(head: list[str], lines: list[list[str]]) -> str:
 
 
 def summary(rows: list[Row]) -> str:
-    head = ["concurrency", "dedupworker msg/s", "plain psycopg msg/s", "pgbench tps"]
-    head += ["dedupworker/pgbench", "dedupworker/plain"]
+    head = ["concurrency", "dedupworker msg/s", "entities given msg/s", "plain psycopg msg/s"]
+    head += ["pgbench tps", "dedupworker/pgbench", "entities given/pgbench", "dedupworker/plain"]
     lines = []
     for r in rows:
         tps = r.pgbench.rate if r.pgbench else None
@@ -405,9 +422,11 @@ def summary(rows: list[Row]) -> str:
             [
                 str(r.concurrency),
                 f"{r.worker.rate:,.0f}",
+                f"{r.given.rate:,.0f}",
                 f"{r.plain.rate:,.0f}",
                 f"{tps:,.0f}" if tps else "n/a",
                 f"{r.worker.rate / tps:.2f}" if tps else "n/a",
+                f"{r.given.rate / tps:.2f}" if tps else "n/a",
                 f"{r.worker.rate / r.plain.rate:.2f}",
             ]
         )
@@ -440,11 +459,18 @@ def details(rows: list[Row]) -> str:
 
 
 def spread(rounds: list[list[Row]]) -> str:
-    head = ["concurrency", "dedupworker msg/s", "plain psycopg msg/s", "pgbench tps"]
+    head = ["concurrency", "dedupworker msg/s", "entities given msg/s", "plain psycopg msg/s"]
+    head += ["pgbench tps"]
+    picks: list[Callable[[Row], Measure | None]] = [
+        lambda r: r.worker,
+        lambda r: r.given,
+        lambda r: r.plain,
+        lambda r: r.pgbench,
+    ]
     lines = []
     for level in zip(*rounds, strict=True):
         cells = [str(level[0].concurrency)]
-        for pick in (lambda r: r.worker, lambda r: r.plain, lambda r: r.pgbench):
+        for pick in picks:
             rates = sorted(pick(r).rate for r in level if pick(r) is not None)
             cells.append(f"{rates[0]:,.0f}..{rates[-1]:,.0f}" if rates else "n/a")
         lines.append(cells)

@@ -7,10 +7,14 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import ConfigurationError, DedupWorkerError
+
+if TYPE_CHECKING:
+    from .handler import Handler
+    from .message import Message
 
 Command = Callable[[argparse.Namespace], int]
 TRUE = {"1", "true", "yes", "on"}
@@ -217,6 +221,13 @@ def _add_enqueue(sub: Any) -> None:
     add_connect_options(p)
     add_option(p, "--queue", default="default", help="queue name")
     add_option(p, "--delay", type=float, default=0.0, help="seconds before the messages run")
+    add_option(
+        p,
+        "--entity-of",
+        metavar="MODULE:HANDLER",
+        help="store each message's entity as this handler computes it (workers lock it in the "
+        "claim, one round trip less per message)",
+    )
     p.set_defaults(func=cmd_enqueue)
 
 
@@ -324,6 +335,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
+    from .handler import load_handler
     from .producer import enqueue
     from .schema import check_schema
 
@@ -340,11 +352,26 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
                 f"warning: line {number} is not valid JSON ({exc}); enqueued as is", file=sys.stderr
             )
         bodies.append(line)
+    entity = None if args.entity_of is None else _entity_of(load_handler(args.entity_of))
     with _connect(args) as conn:
         check_schema(conn)
-        ids = enqueue(conn, args.queue, bodies, delay=args.delay)
+        ids = enqueue(conn, args.queue, bodies, delay=args.delay, entity=entity)
     print(f"enqueued {len(ids)} message(s) on queue {args.queue!r}")
     return 0
+
+
+def _entity_of(handler: Handler) -> Callable[[Message], object]:
+    """The handler's entity_id, None (no entity stored) where it fails: the worker meets that
+    message without one and dead-letters it with the reason, as it would have anyway."""
+    from .keys import normalize_entity
+
+    def entity(message: Message) -> object:
+        try:
+            return normalize_entity(handler.entity_id(message))
+        except Exception:
+            return None
+
+    return entity
 
 
 def cmd_locks(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import psycopg
@@ -12,6 +12,8 @@ from psycopg.types.json import Jsonb
 
 from . import sql
 from .config import check_queue_name
+from .keys import InvalidEntity, normalize_entity
+from .message import Message
 
 Body = bytes | str | Mapping[str, Any] | list[Any]
 BATCH_SIZE = 1000
@@ -33,20 +35,30 @@ def enqueue(
     *,
     headers: Mapping[str, str] | None = None,
     delay: float = 0.0,
+    entity: Callable[[Message], object] | None = None,
 ) -> list[int]:
     """Insert messages into `queue` and wake its workers; returns the job ids.
 
     On a connection that is not in autocommit mode the rows join the caller's transaction,
     so a producer enqueues atomically with its own writes and commits as usual (workers are
     woken at that commit); in autocommit mode the batch commits on its own.
+
+    `entity`, usually the handler's own `entity_id` (``entity=InvoiceHandler().entity_id``),
+    is called on each message now and its result stored with the job: a worker then tries the
+    entity lock in the statement that claims the job, one round trip less per message. The
+    worker still computes the entity itself and only trusts a stored one that is equal. A
+    message for which `entity` returns None is stored without one; an entity that cannot be a
+    lock key (or an `entity` that raises) raises InvalidEntity here and enqueues nothing.
     """
     check_queue_name(queue)
-    header_value = Jsonb(dict(headers or {}))
+    header_map = dict(headers or {})
+    header_value = Jsonb(header_map)
     ids: list[int] = []
     with conn.transaction() if conn.autocommit else contextlib.nullcontext():
-        batch: list[bytes] = []
+        batch: list[tuple[bytes, Jsonb | None]] = []
         for body in bodies:
-            batch.append(encode_body(body))
+            encoded = encode_body(body)
+            batch.append((encoded, _entity_of(entity, encoded, header_map)))
             if len(batch) >= BATCH_SIZE:
                 ids += _insert(conn, queue, batch, header_value, delay)
                 batch = []
@@ -57,8 +69,32 @@ def enqueue(
     return ids
 
 
+def _entity_of(
+    entity: Callable[[Message], object] | None, body: bytes, headers: dict[str, str]
+) -> Jsonb | None:
+    if entity is None:
+        return None
+    message = Message(id="", body=body, headers=headers, transport="postgres")
+    try:
+        value = entity(message)
+        return None if value is None else Jsonb(normalize_entity(value))
+    except InvalidEntity:
+        raise
+    except Exception as exc:
+        raise InvalidEntity(
+            f"entity() failed on the body {body[:80]!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def _insert(
-    conn: psycopg.Connection[Any], queue: str, batch: list[bytes], headers: Jsonb, delay: float
+    conn: psycopg.Connection[Any],
+    queue: str,
+    batch: list[tuple[bytes, Jsonb | None]],
+    headers: Jsonb,
+    delay: float,
 ) -> list[int]:
-    rows = conn.execute(sql.ENQUEUE, (queue, delay, batch, [headers] * len(batch))).fetchall()
+    bodies = [body for body, _ in batch]
+    entities = [entity for _, entity in batch]
+    params = (queue, delay, bodies, [headers] * len(batch), entities)
+    rows = conn.execute(sql.ENQUEUE, params).fetchall()
     return [row[0] for row in rows]

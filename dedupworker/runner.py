@@ -37,9 +37,9 @@ from .outcomes import (
     on_failure,
     on_success,
 )
-from .transport import Delivery, Transport
+from .transport import ClaimsInTransaction, Delivery, Transport
 from .turns import LocalTurns
-from .wire import Batch, Executor
+from .wire import Batch, Executor, Rows
 
 log = logging.getLogger("dedupworker")
 
@@ -49,6 +49,9 @@ RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
 _OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
 GIVE_BACK_DELAY = 1.0
+# Messages a thread claims ahead on one connection before it gives the connection back to the
+# pool once (so that the pool's checks and max_lifetime still apply to it).
+AHEAD_CHAIN = 1000
 
 
 class Runner:
@@ -70,10 +73,13 @@ class Runner:
         self.turns = LocalTurns()
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
+        self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
+        self._held = threading.local()  # per thread, a claim made ahead (see step)
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
         self._timeout = None if handler.timeout is None else f"{int(handler.timeout * 1000)}ms"
+        self._lock = (handler.lock_namespace, handler.lock_key_mode)
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport.name)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport.name)
         self._counted = {
@@ -84,17 +90,41 @@ class Runner:
             for outcome in Outcome
         }
 
-    def step(self) -> bool:
-        """Receive and settle one message; False when nothing was ready."""
-        if self.transport.settles_in_transaction:
-            return self._step_in_transaction()
+    def step(self, ahead: bool = False) -> bool:
+        """Receive and settle one message; False when nothing was ready.
+
+        With `ahead`, a transport that settles in the transaction also claims this thread's
+        next message in the round trip of this one's COMMIT; the thread keeps that claim and
+        its connection for its next `step` (or gives both back with `release`).
+        """
+        if self._claiming is not None:
+            return self._step_in_transaction(self._claiming, ahead)
         return self._step_then_settle()
 
-    def _step_in_transaction(self) -> bool:
+    def release(self) -> None:
+        """Roll back the claim this thread made ahead, if any, and give its connection back."""
+        conn, _, _ = self._take_held()
+        if conn is not None:
+            with _borrowed(self.pool, conn):
+                conn.execute("ROLLBACK")
+
+    def _take_held(self) -> tuple[psycopg.Connection[Any] | None, Rows | None, int]:
+        """This thread's claim made ahead: its connection, its rows, how many came before."""
+        held: tuple[psycopg.Connection[Any], Rows, int] | None = getattr(self._held, "claim", None)
+        self._held.claim = None
+        return held or (None, None, 0)
+
+    def _step_in_transaction(self, claiming: ClaimsInTransaction, ahead: bool) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        with _borrowed(self.pool) as conn:
-            delivery = self.transport.receive(conn)  # BEGIN + claim: one round trip
+        held, claimed, chain = self._take_held()
+        with _borrowed(self.pool, held) as lease:
+            conn = lease.conn
+            if claimed is None:
+                start = Batch(conn)  # BEGIN + claim: one round trip
+                claimed = self._claim(claiming, start)
+                start.run()
+            delivery = claiming.delivery(claimed)
             if delivery is None:
                 conn.execute("ROLLBACK")
                 return False
@@ -109,9 +139,16 @@ class Runner:
                     settle.run()
                     self.handler.after_settle(delivery.message, verdict.outcome, conn)
                 settle.execute("COMMIT")
+                next_claim = None
+                if ahead and chain < AHEAD_CHAIN:
+                    settle.tail()  # the next claim: its errors are its own, not this message's
+                    next_claim = self._claim(claiming, settle)
                 settle.run()
             finally:
                 self._end_turn(delivery)
+            if next_claim is not None:
+                lease.keep = True
+                self._held.claim = (conn, next_claim, chain + 1)
         self._record(delivery, verdict, started)
         return True
 
@@ -120,7 +157,8 @@ class Runner:
         if delivery is None:
             return False
         try:
-            with _borrowed(self.pool) as conn:
+            with _borrowed(self.pool) as lease:
+                conn = lease.conn
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
                 verdict, _, started = self._process(delivery, conn, savepoint=False)
                 end = Batch(conn)
@@ -159,11 +197,13 @@ class Runner:
     def decide(
         self, delivery: Delivery, conn: psycopg.Connection[Any], savepoint: bool
     ) -> tuple[Verdict, bool]:
-        """Take the entity lock (and a savepoint after it), run the handler, decide.
+        """Take the entity lock unless the claim took it, run the handler, decide.
 
-        Returns the verdict and whether the savepoint is still open for the caller to end.
-        The entity's turn among this process's threads is left in `delivery.turn` for the
-        caller to give back after its COMMIT.
+        `savepoint`: the message's claim opened the handler's savepoint (the postgres queue,
+        see `_claim`); without it there is no savepoint (nothing but the handler's writes is in
+        the transaction). Returns the verdict and whether the savepoint is still open for the
+        caller to end. The entity's turn among this process's threads is left in
+        `delivery.turn` for the caller to give back after its COMMIT.
         """
         handler, message = self.handler, delivery.message
         try:
@@ -172,40 +212,36 @@ class Runner:
             )
             dedup_key = handler.dedup_key(message)
         except Exception as exc:
-            return on_bad_entity(exc), False
+            return on_bad_entity(exc), savepoint
         delivery.entity = key.describe()
         turn = (key.sql, key.params)
+        given = _given_lock(delivery, key)
+        if given is False and not self.turns.busy(turn):
+            return on_contended(handler, delivery), savepoint  # another process holds it
         if not self.turns.take(turn, handler.local_wait):
-            return on_contended(handler, delivery), False  # a thread of ours runs it: no trip
+            return on_contended(handler, delivery), savepoint  # a thread of ours runs it
         delivery.turn = turn
-        return self._locked_call(delivery, conn, key, dedup_key, savepoint)
+        return self._locked_call(delivery, conn, None if given else key, dedup_key, savepoint)
 
     def _locked_call(
         self,
         delivery: Delivery,
         conn: psycopg.Connection[Any],
-        key: LockKey,
+        key: LockKey | None,
         dedup_key: str | None,
         savepoint: bool,
     ) -> tuple[Verdict, bool]:
+        """Lock `key` (None: the claim holds the lock already), check the ledger, call."""
         handler, message = self.handler, delivery.message
-        batch = Batch(conn)  # lock + SAVEPOINT + ledger check (+ BEGIN): one round trip
-        if conn.info.transaction_status == TransactionStatus.IDLE:
-            batch.execute("BEGIN")
-        cursor = batch.execute(key.sql, key.params)
-        if self._timeout is not None:
-            batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
-        if savepoint:
-            # After the lock: rolling the savepoint back must not release the lock.
-            batch.execute(SAVEPOINT)
+        batch = Batch(conn)  # lock and ledger check, as far as needed: one round trip
+        locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
         # A plain read: it never waits, and under the lock it sees every committed call for
         # this entity.
         seen = (
             None if dedup_key is None else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
         )
         batch.run()
-        row = cursor.fetchone()
-        if not (row and row[0]):
+        if locked is not None and not fetch_flag(locked):
             return on_contended(handler, delivery), savepoint
         if seen is not None and fetch_flag(seen):
             return DUPLICATE, savepoint
@@ -220,6 +256,30 @@ class Runner:
             still_open = conn.info.transaction_status in _OPEN
             return on_failure(handler, delivery, exc), savepoint and still_open
         return on_success(dedup_key), savepoint
+
+    def _queue_lock(
+        self, batch: Batch, conn: psycopg.Connection[Any], key: LockKey, savepoint: bool
+    ) -> Rows:
+        if savepoint:
+            # Locked outside the savepoint: rolling the savepoint back must not release it.
+            batch.execute(RELEASE_SAVEPOINT)
+        elif conn.info.transaction_status == TransactionStatus.IDLE:
+            batch.execute("BEGIN")
+        locked = batch.execute(key.sql, key.params)
+        if savepoint:
+            batch.execute(SAVEPOINT)
+        elif self._timeout is not None:
+            batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
+        return locked
+
+    def _claim(self, claiming: ClaimsInTransaction, batch: Batch) -> Rows:
+        """Queue BEGIN, the claim (with the lock of an entity given at enqueue), the handler's
+        timeout and its savepoint: the whole start of a message in the claim's round trip."""
+        claimed = claiming.claim(batch, self._lock)
+        if self._timeout is not None:
+            batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
+        batch.execute(SAVEPOINT)  # after the claim's lock (see _queue_lock)
+        return claimed
 
     def _observe(self, delivery: Delivery, verdict: Verdict, elapsed: float) -> None:
         counter, histogram = self._counted[verdict.outcome]
@@ -286,20 +346,47 @@ def _check_transaction(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+class _Lease:
+    """A connection lent for one message; `keep` holds it past the message (see Runner.step)."""
+
+    __slots__ = ("conn", "keep")
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.keep = False
+
+
 @contextlib.contextmanager
-def _borrowed(pool: ConnectionPool[Any]) -> Iterator[psycopg.Connection[Any]]:
-    """A pool connection for one message: `pool.connection()` without its commit-on-exit
-    (every transaction here ends with its own COMMIT or ROLLBACK), half its cost per message."""
-    conn = pool.getconn()
+def _borrowed(
+    pool: ConnectionPool[Any], held: psycopg.Connection[Any] | None = None
+) -> Iterator[_Lease]:
+    """A pool connection (or the one this thread `held` on to) for one message.
+
+    Not `pool.connection()`: every transaction here ends with its own COMMIT or ROLLBACK, and
+    skipping its commit-on-exit halves its cost per message. After an error the connection is
+    rolled back and always returned.
+    """
+    lease = _Lease(pool.getconn() if held is None else held)
     try:
-        yield conn
+        yield lease
     except BaseException:
+        conn = lease.conn
         if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
             with contextlib.suppress(Exception):
                 conn.rollback()
-        raise
-    finally:
         pool.putconn(conn)
+        raise
+    if not lease.keep:
+        pool.putconn(lease.conn)
+
+
+def _given_lock(delivery: Delivery, key: LockKey) -> bool | None:
+    """What the claim's try of the entity given at enqueue says about `key`: held (True),
+    held elsewhere (False), or nothing (None: no entity given, or not the handler's own)."""
+    given = delivery.given_entity
+    if delivery.given_locked is None or type(given) is not type(key.entity) or given != key.entity:
+        return None
+    return delivery.given_locked
 
 
 def _end_savepoint(conn: Executor, keep: bool) -> None:

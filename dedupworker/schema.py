@@ -94,6 +94,13 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         "ALTER TABLE dedupworker.jobs ADD COLUMN contended_since timestamptz",
     ),
     (4, "webhook endpoints and delivery attempts", _WEBHOOKS),
+    (
+        5,
+        "entity given at enqueue",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN entity jsonb;"
+        " COMMENT ON COLUMN dedupworker.jobs.entity IS"
+        " 'the entity id given at enqueue (int or text): workers lock it with the claim'",
+    ),
 )
 
 

@@ -13,6 +13,40 @@ LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 
+# The claim that also tries the lock of the entity given at enqueue (NULL when none was given),
+# computed as dedupworker.keys does; the worker checks the entity against its handler's before
+# it trusts the result. The CTE claims one row first: the lock is tried on that row only.
+_CLAIM_LOCKING = """
+WITH claimed AS (
+    SELECT id, body, headers, attempts, contentions, contended_since, entity
+    FROM dedupworker.jobs
+    WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+    ORDER BY run_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+       entity, {lock}
+FROM claimed
+"""
+CLAIM_LOCKING = {
+    "int4": _CLAIM_LOCKING.format(
+        lock="""CASE
+           WHEN entity IS NULL THEN NULL
+           WHEN jsonb_typeof(entity) = 'number'
+                AND entity::numeric BETWEEN -2147483648 AND 2147483647
+               THEN pg_try_advisory_xact_lock(%s::int4, (entity::numeric)::int4)
+           ELSE pg_try_advisory_xact_lock(%s::int4, hashtext(entity #>> '{}'))
+       END"""
+    ),
+    "hash64": _CLAIM_LOCKING.format(
+        lock="""CASE
+           WHEN entity IS NULL THEN NULL
+           ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
+       END"""
+    ),
+}
+
 # Transaction-scoped (SET LOCAL): safe behind a transaction pooler, gone at COMMIT.
 HANDLER_TIMEOUT = """
 SELECT set_config('statement_timeout', %s, true),
@@ -50,9 +84,9 @@ WHERE queue = %s AND status = 'ready'
 COUNT_READY = "SELECT count(*) FROM dedupworker.jobs WHERE queue = %s AND status = 'ready'"
 
 ENQUEUE = """
-INSERT INTO dedupworker.jobs (queue, body, headers, run_at)
-SELECT %s, b, h, clock_timestamp() + make_interval(secs => %s)
-FROM unnest(%s::bytea[], %s::jsonb[]) AS t(b, h)
+INSERT INTO dedupworker.jobs (queue, body, headers, entity, run_at)
+SELECT %s, b, h, e, clock_timestamp() + make_interval(secs => %s)
+FROM unnest(%s::bytea[], %s::jsonb[], %s::jsonb[]) AS t(b, h, e)
 RETURNING id
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .errors import ConfigurationError, TransportError
 from .message import Message
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     import psycopg
 
     from .config import WorkerConfig
-    from .wire import Executor
+    from .keys import KeyMode
+    from .wire import Executor, Rows
 
 
 @dataclass(slots=True)
@@ -32,6 +33,9 @@ class Delivery:
     entity: str = ""
     # The entity's turn among the worker's threads, held from the lock until after COMMIT.
     turn: Hashable | None = None
+    # postgres: the entity given at enqueue and whether the claim took its lock (None: none given).
+    given_entity: int | str | None = None
+    given_locked: bool | None = None
 
 
 class Transport(Protocol):
@@ -67,6 +71,21 @@ class Transport(Protocol):
     def is_drained(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ClaimsInTransaction(Protocol):
+    """What a transport that settles in the transaction adds: its claim, queued on a batch.
+
+    The runner queues `claim` after a message's COMMIT, in the same round trip, so that the
+    next message's transaction begins with no round trip of its own. With `lock` (the handler's
+    namespace and key mode) the claim also tries the lock of an entity given at enqueue
+    (`Delivery.given_entity`, `Delivery.given_locked`).
+    """
+
+    def claim(self, batch: Executor, lock: tuple[int, KeyMode] | None = None) -> Rows: ...
+
+    def delivery(self, claimed: Rows) -> Delivery | None: ...
 
 
 # Transports load lazily by name so that the core never imports boto3 or confluent_kafka.

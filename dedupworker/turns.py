@@ -43,6 +43,11 @@ class LocalTurns:
         self._leave(key, turn)
         return False
 
+    def busy(self, key: Hashable) -> bool:
+        """A thread of this process runs (or waits for) the entity now."""
+        with self._mutex:
+            return key in self._turns
+
     def give_back(self, key: Hashable) -> None:
         """End a turn that `take` gave."""
         with self._mutex:

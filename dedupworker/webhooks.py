@@ -300,7 +300,8 @@ def enqueue_deliveries(
             batch = webhooks[start : start + BATCH_SIZE]
             bodies = [encode_body(w.as_json()) for w in batch]
             headers = [Jsonb({ENDPOINT_HEADER: w.endpoint_id}) for w in batch]
-            rows = conn.execute(sql.ENQUEUE, (queue, 0.0, bodies, headers)).fetchall()
+            entities = [None] * len(batch)
+            rows = conn.execute(sql.ENQUEUE, (queue, 0.0, bodies, headers, entities)).fetchall()
             ids += [row[0] for row in rows]
         if ids:
             conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))

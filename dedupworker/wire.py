@@ -12,7 +12,9 @@ they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipe
   off: psycopg answers any ROLLBACK on a connection where it prepared something with
   DEALLOCATE ALL, which would drop these statements too (if something else drops them anyway,
   the batch fails once, its transaction rolls back, and the next batch prepares again);
-- results come back as text and are parsed by column type (ints, floats, bools, bytea, json).
+- results come back as text and are parsed by column type (ints, floats, bools, bytea, json);
+- `Batch.tail` lets the statements queued after it fail on their own: the runner sends one
+  message's COMMIT and the next message's BEGIN + claim in one round trip.
 
 `Batch.execute` has the shape of `psycopg.Connection.execute`, so transports settle through a
 batch or a connection alike. Everything a handler does still goes through psycopg.
@@ -114,14 +116,21 @@ _PARSERS: dict[int, Callable[[bytes], Any]] = {
 
 
 class Result:
-    """The rows of one statement of a batch, available once the batch has run."""
+    """The rows of one statement of a batch, available once the batch has run.
 
-    __slots__ = ("_rows",)
+    A statement of a batch's tail (see `Batch.tail`) that failed, or was skipped after an
+    error, raises that error from `fetchone`.
+    """
+
+    __slots__ = ("_rows", "error")
 
     def __init__(self) -> None:
         self._rows: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.error: Exception | None = None
 
     def fetchone(self) -> tuple[Any, ...] | None:
+        if self.error is not None:
+            raise self.error
         return self._rows.popleft() if self._rows else None
 
     def _fill(self, res: pq.abc.PGresult) -> None:
@@ -138,12 +147,16 @@ class Result:
             self._rows.append(tuple(values))
 
 
+_Queued = tuple[str, list[bytes | None] | None, Result]
+_TAIL = ("", None, Result())  # queued by `Batch.tail`
+
+
 class Batch:
     """Statements queued with `execute` and sent in one round trip by `run`."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
-        self._queued: list[tuple[str, list[bytes | None] | None, Result]] = []
+        self._queued: list[_Queued] = []
 
     def execute(self, query: str, params: Sequence[Any] | None = None) -> Result:
         result = Result()
@@ -151,8 +164,17 @@ class Batch:
         self._queued.append((query, values, result))
         return result
 
+    def tail(self) -> None:
+        """Statements queued from here on are the batch's tail: `run` does not raise their
+        errors, their results do (`Result.fetchone`).
+
+        The server still skips everything after a failed statement until the round trip ends
+        (the tail's results then raise that error): a tail runs only if the head succeeded.
+        """
+        self._queued.append(_TAIL)
+
     def run(self) -> None:
-        """Send everything queued, wait for all of it; raise the first statement's error."""
+        """Send everything queued, wait for all of it; raise the head's first error."""
         queued, self._queued = self._queued, []
         if not queued:
             return
@@ -170,13 +192,16 @@ class Batch:
 
 
 def _send(
-    pgconn: pq.abc.PGconn,
-    queued: list[tuple[str, list[bytes | None] | None, Result]],
-    prepared: set[bytes] | None,
-) -> list[Result | bytes]:
-    """Queue every statement (preparing new ones first); returns what each reply is for."""
-    expected: list[Result | bytes] = []
-    for query, values, result in queued:
+    pgconn: pq.abc.PGconn, queued: list[_Queued], prepared: set[bytes] | None
+) -> list[Result | bytes | None]:
+    """Queue every statement (preparing new ones first); returns what each reply is for:
+    a statement's result, a statement name being prepared, or None where the tail begins."""
+    expected: list[Result | bytes | None] = []
+    for entry in queued:
+        if entry is _TAIL:
+            expected.append(None)
+            continue
+        query, values, result = entry
         text = _text_of(query)
         if values is None or prepared is None:
             pgconn.send_query_params(text, values)
@@ -195,29 +220,52 @@ def _send(
 
 
 def _receive(
-    pgconn: pq.abc.PGconn, expected: list[Result | bytes], prepared: set[bytes] | None
+    pgconn: pq.abc.PGconn, expected: list[Result | bytes | None], prepared: set[bytes] | None
 ) -> Exception | None:
+    """Read every reply; returns the head's first error, leaves the tail's on its results."""
     failure: Exception | None = None
+    head: Exception | None = None
+    tail: list[Result] | None = None
     for target in expected:
-        res = _next(pgconn)
-        while _next(pgconn) is not None:  # each statement's replies end with a None
-            pass
-        if res is None:
+        if target is None:
+            head, tail = failure, []
             continue
-        status = res.status
-        if status == _TUPLES:
-            if isinstance(target, Result):
-                target._fill(res)
-        elif status == _FATAL:
-            failure = failure or errors.error_from_result(res)
-            if prepared is not None and isinstance(failure, errors.InvalidSqlStatementName):
-                prepared.clear()  # dropped behind our back (DEALLOCATE ALL): prepare again
-        elif status == _OK and isinstance(target, bytes) and prepared is not None:
-            prepared.add(target)
+        if tail is not None and isinstance(target, Result):
+            tail.append(target)
+        error = _reply(pgconn, target, prepared)  # skipped after an error: PIPELINE_ABORTED
+        failure = failure or error
     res = _next(pgconn)
     if res is None or res.status != _SYNC:
         raise psycopg.OperationalError("the server's replies to a pipeline ended early")
-    return failure
+    if tail is None:
+        return failure
+    for result in tail if failure is not None else ():
+        result.error = failure
+    return head
+
+
+def _reply(
+    pgconn: pq.abc.PGconn, target: Result | bytes, prepared: set[bytes] | None
+) -> Exception | None:
+    """One statement's reply: its rows, its error, or a statement now prepared."""
+    res = _next(pgconn)
+    if res is None:
+        return None
+    # A statement's replies end with a None, which never waits: no is_busy (it lets go of the
+    # GIL, and with many threads each letting go costs a thread switch).
+    while pgconn.get_result() is not None:
+        pass
+    status = res.status
+    if status == _TUPLES and isinstance(target, Result):
+        target._fill(res)
+    elif status == _FATAL:
+        failure = errors.error_from_result(res)
+        if prepared is not None and isinstance(failure, errors.InvalidSqlStatementName):
+            prepared.clear()  # dropped behind our back (DEALLOCATE ALL): prepare again
+        return failure
+    elif status == _OK and isinstance(target, bytes) and prepared is not None:
+        prepared.add(target)
+    return None
 
 
 def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:

@@ -213,6 +213,13 @@ class Worker:
         return total
 
     def _loop(self, runner: Runner) -> None:
+        try:
+            self._serve(runner)
+        finally:
+            with contextlib.suppress(Exception):
+                runner.release()  # the claim made ahead returns to the queue at once
+
+    def _serve(self, runner: Runner) -> None:
         errors = 0
         while not self.stop_event.is_set():
             try:
@@ -232,7 +239,7 @@ class Worker:
 
     def _once(self, runner: Runner) -> None:
         """One message, or (when none was ready) the drain check and a wait for work."""
-        worked = runner.step()
+        worked = runner.step(ahead=not self.stop_event.is_set())
         self.last_progress = time.monotonic()
         if self.observing:
             metrics.HEARTBEAT.set(time.time())

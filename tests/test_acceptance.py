@@ -57,13 +57,18 @@ def wait_until(conn: psycopg.Connection[Any], query: str, limit: float = 60) -> 
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("entity_of", [None, "examples.recorder:RecordCalls"])
 def test_four_drain_processes_over_hot_entities_never_overlap_and_lose_nothing(
-    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, entity_of: str | None
 ) -> None:
     lines = [json.dumps({"entity": i % 40, "work_ms": 3}) for i in range(400)]
     lines.insert(123, '{"entity": 1, oops')
-    result = cli("enqueue", "--dsn", dsn, "--queue", "q", stdin="\n".join(lines) + "\n")
+    given = ["--entity-of", entity_of] if entity_of else []
+    stdin = "\n".join(lines) + "\n"
+    result = cli("enqueue", "--dsn", dsn, "--queue", "q", *given, stdin=stdin)
     assert result.returncode == 0, result.stderr
+    stored = scalar(conn, "SELECT count(entity) FROM dedupworker.jobs")
+    assert stored == (400 if entity_of else 0)  # the malformed line is stored without one
     assert "enqueued 401 message(s)" in result.stdout
     assert "line 124 is not valid JSON" in result.stderr
 

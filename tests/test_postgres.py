@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 import tenacity
+from psycopg.types.json import Jsonb
 
 from dedupworker import (
     Handler,
@@ -23,6 +24,7 @@ from dedupworker import (
 )
 from dedupworker.db import open_pool
 from dedupworker.errors import SchemaMissing
+from dedupworker.keys import InvalidEntity
 from dedupworker.runner import Runner
 from dedupworker.schema import MIGRATIONS
 from dedupworker.transports.postgres import PostgresTransport
@@ -104,6 +106,61 @@ def test_success_commits_the_handler_writes_and_removes_the_job(
     assert calls(conn) == 1
     assert runner.step() is False
     assert runner.stats == {"succeeded": 1}
+
+
+def claimable(conn: psycopg.Connection[Any]) -> int:
+    """Jobs another connection could claim right now (claimed rows are skipped)."""
+    with conn.transaction():
+        rows = conn.execute(
+            "SELECT id FROM dedupworker.jobs WHERE status = 'ready' FOR UPDATE SKIP LOCKED"
+        ).fetchall()
+    return len(rows)
+
+
+def test_ahead_claims_the_next_job_with_the_commit_and_release_gives_it_back(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 1}, {"entity": 2}, {"entity": 3}])
+    assert runner.step(ahead=True) is True
+    # The first job is done; the second is claimed by the runner's held transaction.
+    assert (calls(conn), claimable(conn)) == (1, 1)
+    assert runner.pool.get_stats()["pool_available"] == 1  # the runner keeps one connection
+    assert runner.step(ahead=True) is True
+    assert (calls(conn), claimable(conn)) == (2, 0)
+    runner.release()  # the third job, claimed ahead, returns to the queue at once
+    assert (calls(conn), claimable(conn)) == (2, 1)
+    assert runner.pool.get_stats()["pool_available"] == 2
+    assert runner.step(ahead=True) is True
+    assert runner.step(ahead=True) is False  # the claim made ahead found nothing
+    assert calls(conn) == 3
+    assert runner.pool.get_stats()["pool_available"] == 2
+    assert runner.stats == {"succeeded": 3}
+
+
+def test_a_thread_gives_its_connection_back_to_the_pool_every_ahead_chain(
+    runner: Runner, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dedupworker.runner.AHEAD_CHAIN", 2)
+    enqueue(conn, "q", [{"entity": i} for i in range(4)])
+    available = []
+    for _ in range(4):
+        assert runner.step(ahead=True) is True
+        available.append(runner.pool.get_stats()["pool_available"])
+    assert available == [1, 1, 2, 1]  # held, held, given back (no claim ahead), held
+    runner.release()
+    assert calls(conn) == 4
+
+
+def test_a_failing_handler_still_claims_ahead_and_settles_its_retry(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 1, "do": "fail"}, {"entity": 2}])
+    assert runner.step(ahead=True) is True
+    assert runner.step(ahead=True) is True
+    runner.release()
+    rows = conn.execute("SELECT attempts, last_error FROM dedupworker.jobs ORDER BY id").fetchall()
+    assert rows == [(1, "RuntimeError: handler broke")]
+    assert runner.stats == {"retried": 1, "succeeded": 1}
 
 
 def test_failure_rolls_back_the_handler_and_schedules_a_retry(
@@ -212,6 +269,85 @@ def test_a_claimed_job_is_skipped_not_waited_for(
         assert runner.step() is True
         rows = conn.execute("SELECT body FROM dedupworker.jobs").fetchall()
         assert [bytes(r[0]) for r in rows] == [b'{"entity":1}']
+
+
+def given(conn: psycopg.Connection[Any]) -> list[Any]:
+    return [r[0] for r in conn.execute("SELECT entity FROM dedupworker.jobs ORDER BY id")]
+
+
+def test_an_entity_given_at_enqueue_is_stored_and_locked_in_the_claim(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 7}, {"entity": "inv-9"}], entity=Scripted().entity_id)
+    assert given(conn) == [7, "inv-9"]
+    assert runner.step(ahead=True) is True
+    # The second job, claimed ahead, holds its entity's lock already (and its row).
+    held = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND classid = 30 AND objid = hashtext('inv-9')::oid AND objsubid = 2"
+    ).fetchone()
+    assert held == (1,)
+    assert runner.step(ahead=True) is True
+    runner.release()
+    assert (calls(conn), runner.stats) == (2, {"succeeded": 2})
+
+
+def test_a_given_entity_locked_elsewhere_is_contended_without_calling(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    enqueue(conn, "q", [{"entity": "inv-9"}], entity=Scripted().entity_id)
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT pg_advisory_xact_lock(30, hashtext('inv-9'))")
+        assert runner.step() is True
+    assert calls(conn) == 0
+    assert job(conn)["contentions"] == 1
+
+
+@pytest.mark.parametrize("stored", [8, "7", 7.5, None, {"entity": 7}])
+def test_a_given_entity_that_is_not_the_handlers_own_is_not_trusted(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str, stored: Any
+) -> None:
+    # Whatever was stored (another handler's entity, a str for an int, values no producer of
+    # ours writes), the worker locks the entity its handler computes.
+    enqueue(conn, "q", [{"entity": 7}])
+    conn.execute("UPDATE dedupworker.jobs SET entity = %s", (Jsonb(stored),))
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT pg_advisory_xact_lock(30, 7)")
+        assert runner.step() is True
+        assert (calls(conn), job(conn)["contentions"]) == (0, 1)
+    conn.execute("UPDATE dedupworker.jobs SET run_at = now()")
+    assert runner.step() is True
+    assert calls(conn) == 1
+
+
+def test_a_hash64_handler_locks_its_given_entity_in_the_claim(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    class Wide(Scripted):
+        lock_key_mode = "hash64"
+
+    pool = open_pool(dsn, 2, 10)
+    transport = PostgresTransport(WorkerConfig(dsn=dsn, queue="q"), pool)
+    try:
+        runner = Runner(Wide(), transport, pool)
+        enqueue(conn, "q", [{"entity": "inv-9"}, {"entity": 12}], entity=Wide().entity_id)
+        with psycopg.connect(dsn) as other:
+            other.execute("SELECT pg_advisory_xact_lock(hashtextextended('inv-9', 30))")
+            assert runner.step() is True
+            assert calls(conn) == 0
+        assert runner.step() is True
+        assert calls(conn) == 1
+    finally:
+        transport.close()
+        pool.close()
+
+
+def test_an_entity_that_cannot_be_computed_enqueues_nothing(conn: psycopg.Connection[Any]) -> None:
+    with pytest.raises(InvalidEntity, match=r"entity\(\) failed on the body b'not json'"):
+        enqueue(conn, "q", [{"entity": 1}, b"not json"], entity=Scripted().entity_id)
+    with pytest.raises(InvalidEntity, match="return an int or a str"):
+        enqueue(conn, "q", [{"entity": 1.5}], entity=Scripted().entity_id)
+    assert conn.execute("SELECT count(*) FROM dedupworker.jobs").fetchone() == (0,)
 
 
 def test_queues_are_separate(runner: Runner, conn: psycopg.Connection[Any]) -> None:

@@ -122,3 +122,56 @@ def test_unsupported_parameter_types_are_refused_before_sending(
 ) -> None:
     with pytest.raises(TypeError, match="cannot send a dict parameter"):
         Batch(conn).execute("SELECT %s", ({"a": 1},))
+
+
+def test_a_tail_that_fails_leaves_the_head_committed_and_raises_from_its_results(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    batch = Batch(prepared)
+    batch.execute("BEGIN")
+    batch.execute("INSERT INTO t VALUES (%s)", (1,))
+    batch.execute("COMMIT")
+    batch.tail()
+    batch.execute("BEGIN")
+    failed = batch.execute("SELECT 1 / %s::int4", (0,))
+    skipped = batch.execute("SELECT %s::int4", (7,))
+    batch.run()  # the head's COMMIT went through: no error here
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        failed.fetchone()
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        skipped.fetchone()
+    assert prepared.info.transaction_status == TransactionStatus.INERROR
+    prepared.execute("ROLLBACK")
+    assert prepared.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+
+def test_a_head_that_fails_raises_and_its_tail_never_runs(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    prepared.execute("INSERT INTO t VALUES (1)")
+    batch = Batch(prepared)
+    batch.execute("BEGIN")
+    batch.execute("INSERT INTO t VALUES (%s)", (1,))
+    batch.execute("COMMIT")
+    batch.tail()
+    batch.execute("BEGIN")
+    tail = batch.execute("INSERT INTO t VALUES (%s) RETURNING id", (2,))
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        batch.run()
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        tail.fetchone()
+    prepared.execute("ROLLBACK")
+    assert prepared.execute("SELECT array_agg(id) FROM t").fetchone() == ([1],)
+
+
+def test_a_tail_that_succeeds_hands_back_its_rows(prepared: psycopg.Connection[Any]) -> None:
+    batch = Batch(prepared)
+    batch.execute("BEGIN")
+    head = batch.execute("SELECT %s::int4", (1,))
+    batch.execute("COMMIT")
+    batch.tail()
+    tail = batch.execute("SELECT %s::text", ("two",))
+    batch.run()
+    assert (head.fetchone(), tail.fetchone()) == ((1,), ("two",))

@@ -12,9 +12,10 @@ from psycopg_pool import ConnectionPool
 from .. import metrics, sql
 from ..config import WorkerConfig
 from ..db import connection_kwargs
+from ..keys import KeyMode
 from ..message import Message
 from ..transport import Delivery
-from ..wire import Batch, Executor
+from ..wire import Batch, Executor, Rows
 
 log = logging.getLogger("dedupworker")
 
@@ -41,14 +42,27 @@ class PostgresTransport:
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
         assert conn is not None, "the postgres transport claims inside the locked transaction"
-        batch = Batch(conn)  # the message's transaction starts here, with the claim
-        batch.execute("BEGIN")
-        cursor = batch.execute(sql.CLAIM, (self.queue,))
+        batch = Batch(conn)
+        claimed = self.claim(batch)
         batch.run()
-        row = cursor.fetchone()
+        return self.delivery(claimed)
+
+    def claim(self, batch: Executor, lock: tuple[int, KeyMode] | None = None) -> Rows:
+        """Queue the start of a message's transaction: BEGIN and the claim of one job, which
+        with `lock` (namespace, key mode) also tries the lock of the entity given at enqueue."""
+        batch.execute("BEGIN")
+        if lock is None:
+            return batch.execute(sql.CLAIM, (self.queue,))
+        namespace, mode = lock
+        namespaces = (namespace, namespace) if mode == "int4" else (namespace,)  # see the SQL
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
+
+    def delivery(self, claimed: Rows) -> Delivery | None:
+        """The job `claim` got once its batch ran, or None when none was ready."""
+        row = claimed.fetchone()
         if row is None:
             return None
-        job_id, body, headers, attempts, contentions, contended_since = row
+        job_id, body, headers, attempts, contentions, contended_since, *given = row
         message = Message(
             id=str(job_id),
             body=body,
@@ -56,9 +70,12 @@ class PostgresTransport:
             attempt=attempts + 1,
             transport=self.name,
         )
-        return Delivery(
+        delivery = Delivery(
             message, contentions=contentions, receipt=job_id, contended_since=contended_since
         )
+        if given:
+            delivery.given_entity, delivery.given_locked = given
+        return delivery
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None:
         _require(conn).execute(sql.ACK, (delivery.receipt,))
