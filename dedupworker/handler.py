@@ -43,7 +43,8 @@ class Handler:
     contention_budget: ClassVar[int | None] = 1000
     # Seconds a thread waits for another thread of this worker that runs the same entity,
     # instead of requeueing its message (one waiter per entity; it keeps its transaction and
-    # pooled connection open meanwhile). 0: requeue at once.
+    # pooled connection open meanwhile). 0: requeue at once. Not for postgres jobs enqueued
+    # with their entity: those are passed over by the claim, or requeued at once.
     local_wait: ClassVar[float] = 0.5
     # Seconds one SQL statement of the handler, or one pause of it between statements, may
     # take before PostgreSQL ends it: statement_timeout cancels the statement (a failure,

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Hashable, Iterator
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -52,6 +53,21 @@ GIVE_BACK_DELAY = 1.0
 # Messages a thread claims ahead on one connection before it gives the connection back to the
 # pool once (so that the pool's checks and max_lifetime still apply to it).
 AHEAD_CHAIN = 1000
+# Seconds for which claims pass over entities that other threads run, after a thread met one.
+CROWDED_FOR = 5.0
+
+
+class _Claim(NamedTuple):
+    rows: Rows
+    skipping: bool  # it passed over entities running here: finding nothing proves nothing
+
+
+class _Ahead(NamedTuple):
+    """A thread's claim made ahead with its last COMMIT, kept for its next step."""
+
+    conn: psycopg.Connection[Any]
+    claim: _Claim
+    chain: int  # claims made ahead on this connection in a row
 
 
 class Runner:
@@ -75,6 +91,10 @@ class Runner:
         self._stats_lock = threading.Lock()
         self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
         self._held = threading.local()  # per thread, a claim made ahead (see step)
+        # Entities (as JSON) that this worker's threads run, by turn; see _claim.
+        self._running: dict[Hashable, str] = {}
+        self._running_lock = threading.Lock()
+        self._crowded_until = 0.0
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
@@ -103,28 +123,29 @@ class Runner:
 
     def release(self) -> None:
         """Roll back the claim this thread made ahead, if any, and give its connection back."""
-        conn, _, _ = self._take_held()
-        if conn is not None:
-            with _borrowed(self.pool, conn):
-                conn.execute("ROLLBACK")
+        held = self._take_held()
+        if held is not None:
+            with _borrowed(self.pool, held.conn):
+                held.conn.execute("ROLLBACK")
 
-    def _take_held(self) -> tuple[psycopg.Connection[Any] | None, Rows | None, int]:
-        """This thread's claim made ahead: its connection, its rows, how many came before."""
-        held: tuple[psycopg.Connection[Any], Rows, int] | None = getattr(self._held, "claim", None)
+    def _take_held(self) -> _Ahead | None:
+        held: _Ahead | None = getattr(self._held, "claim", None)
         self._held.claim = None
-        return held or (None, None, 0)
+        return held
 
     def _step_in_transaction(self, claiming: ClaimsInTransaction, ahead: bool) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        held, claimed, chain = self._take_held()
-        with _borrowed(self.pool, held) as lease:
+        held = self._take_held()
+        chain = held.chain if held is not None else 0
+        with _borrowed(self.pool, None if held is None else held.conn) as lease:
             conn = lease.conn
-            if claimed is None:
-                start = Batch(conn)  # BEGIN + claim: one round trip
-                claimed = self._claim(claiming, start)
-                start.run()
-            delivery = claiming.delivery(claimed)
+            claim = self._start(claiming, conn) if held is None else held.claim
+            delivery = claiming.delivery(claim.rows)
+            if delivery is None and claim.skipping:
+                # The jobs it passed over may be all there is: claim again, passing none.
+                claim = self._start(claiming, conn, skip=False, rollback=True)
+                delivery = claiming.delivery(claim.rows)
             if delivery is None:
                 conn.execute("ROLLBACK")
                 return False
@@ -142,13 +163,13 @@ class Runner:
                 next_claim = None
                 if ahead and chain < AHEAD_CHAIN:
                     settle.tail()  # the next claim: its errors are its own, not this message's
-                    next_claim = self._claim(claiming, settle)
+                    next_claim = self._claim(claiming, settle, own=delivery.turn)
                 settle.run()
             finally:
                 self._end_turn(delivery)
             if next_claim is not None:
                 lease.keep = True
-                self._held.claim = (conn, next_claim, chain + 1)
+                self._held.claim = _Ahead(conn, next_claim, chain + 1)
         self._record(delivery, verdict, started)
         return True
 
@@ -178,6 +199,8 @@ class Runner:
 
     def _end_turn(self, delivery: Delivery) -> None:
         if delivery.turn is not None:
+            with self._running_lock:
+                self._running.pop(delivery.turn, None)
             self.turns.give_back(delivery.turn)
             delivery.turn = None
 
@@ -216,11 +239,18 @@ class Runner:
         delivery.entity = key.describe()
         turn = (key.sql, key.params)
         given = _given_lock(delivery, key)
-        if given is False and not self.turns.busy(turn):
-            return on_contended(handler, delivery), savepoint  # another process holds it
+        if self.turns.busy(turn):  # a thread of ours runs it: claims pass over it for a while
+            self._crowded_until = time.monotonic() + CROWDED_FOR
+        if given is False:
+            # The claim met the given entity's lock held, by another worker or by a thread of
+            # ours (while it runs here, the claims pass over its jobs): back to the queue at
+            # once, with no round trip of its own and no thread waiting.
+            return on_contended(handler, delivery), savepoint
         if not self.turns.take(turn, handler.local_wait):
-            return on_contended(handler, delivery), savepoint  # a thread of ours runs it
+            return on_contended(handler, delivery), savepoint
         delivery.turn = turn
+        with self._running_lock:
+            self._running[turn] = json.dumps(key.entity)
         return self._locked_call(delivery, conn, None if given else key, dedup_key, savepoint)
 
     def _locked_call(
@@ -272,14 +302,48 @@ class Runner:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         return locked
 
-    def _claim(self, claiming: ClaimsInTransaction, batch: Batch) -> Rows:
+    def _start(
+        self,
+        claiming: ClaimsInTransaction,
+        conn: psycopg.Connection[Any],
+        *,
+        skip: bool = True,
+        rollback: bool = False,
+    ) -> _Claim:
+        """The start of a message in a round trip of its own (no claim was made ahead)."""
+        start = Batch(conn)
+        if rollback:
+            start.execute("ROLLBACK")
+        claim = self._claim(claiming, start, own=None, skip=skip)
+        start.run()
+        return claim
+
+    def _claim(
+        self,
+        claiming: ClaimsInTransaction,
+        batch: Batch,
+        own: Hashable | None,
+        skip: bool = True,
+    ) -> _Claim:
         """Queue BEGIN, the claim (with the lock of an entity given at enqueue), the handler's
-        timeout and its savepoint: the whole start of a message in the claim's round trip."""
-        claimed = claiming.claim(batch, self._lock)
+        timeout and its savepoint: the whole start of a message in the claim's round trip.
+
+        While threads of this worker have lately met each other's entities, the claim passes
+        over jobs of entities that other threads (not `own`, this thread's) are running.
+        """
+        passing = self._passing(own) if skip else None
+        rows = claiming.claim(batch, self._lock, passing)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         batch.execute(SAVEPOINT)  # after the claim's lock (see _queue_lock)
-        return claimed
+        return _Claim(rows, passing is not None)
+
+    def _passing(self, own: Hashable | None) -> str | None:
+        if time.monotonic() >= self._crowded_until:
+            return None
+        with self._running_lock:
+            running = [entity for turn, entity in self._running.items() if turn != own]
+        return f"[{','.join(running)}]" if running else None
 
     def _observe(self, delivery: Delivery, verdict: Verdict, elapsed: float) -> None:
         counter, histogram = self._counted[verdict.outcome]

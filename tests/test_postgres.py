@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from dedupworker import (
     WorkerConfig,
     enqueue,
     migrate,
+    sql,
 )
 from dedupworker.db import open_pool
 from dedupworker.errors import SchemaMissing
@@ -340,6 +342,43 @@ def test_a_hash64_handler_locks_its_given_entity_in_the_claim(
     finally:
         transport.close()
         pool.close()
+
+
+def running_here(runner: Runner, entity: int) -> None:
+    """As if another thread of the runner's worker were running `entity` and had met it."""
+    runner._running[("another thread",)] = str(entity)
+    runner._crowded_until = time.monotonic() + 60
+
+
+def remaining(conn: psycopg.Connection[Any]) -> list[int]:
+    rows = conn.execute("SELECT entity FROM dedupworker.jobs ORDER BY id").fetchall()
+    return [r[0] for r in rows]
+
+
+def test_claims_pass_over_entities_another_thread_runs_while_they_meet(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": e} for e in (1, 1, 2, 1)], entity=Scripted().entity_id)
+    running_here(runner, 1)
+    assert runner.step() is True
+    assert remaining(conn) == [1, 1, 1]
+    runner._crowded_until = 0.0  # no meeting lately: the plain claim, oldest first
+    assert runner.step() is True
+    assert remaining(conn) == [1, 1]
+
+
+def test_a_window_full_of_running_entities_falls_back_to_the_plain_claim(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    count = sql.CLAIM_WINDOW + 5
+    bodies = [{"entity": 1}] * count + [{"entity": 2}]
+    enqueue(conn, "q", bodies, entity=Scripted().entity_id)
+    running_here(runner, 1)
+    # The skipping claim looks at the first CLAIM_WINDOW jobs only and finds none; the runner
+    # claims again without skipping (the lock is free: the "other thread" is make-believe).
+    assert runner.step() is True
+    assert remaining(conn) == [1] * (count - 1) + [2]
+    assert calls(conn) == 1
 
 
 def test_an_entity_that_cannot_be_computed_enqueues_nothing(conn: psycopg.Connection[Any]) -> None:
