@@ -436,11 +436,12 @@ def summary(rows: list[Row]) -> str:
 def details(rows: list[Row]) -> str:
     head = ["concurrency", "first→last job s", "stats elapsed s", "msg/s by stats"]
     head += ["wall s", "msg/s by wall", "idle worker wall s"]
-    head += ["client CPU µs/msg: dedupworker", "plain", "pgbench"]
+    head += ["client CPU µs/msg: dedupworker", "entities given", "plain", "pgbench"]
     lines = []
     for r in rows:
         w = r.worker
         busy_cpu = (w.cpu - r.idle.cpu) / w.messages * 1e6
+        given_cpu = (r.given.cpu - r.idle.cpu) / r.given.messages * 1e6
         lines.append(
             [
                 str(r.concurrency),
@@ -451,6 +452,7 @@ def details(rows: list[Row]) -> str:
                 f"{w.messages / w.wall_seconds:,.0f}",
                 f"{r.idle.wall_seconds:.2f}",
                 f"{busy_cpu:.0f}",
+                f"{given_cpu:.0f}",
                 f"{r.plain.cpu_us:.0f}",
                 f"{r.pgbench.cpu_us:.0f}" if r.pgbench else "n/a",
             ]
@@ -484,7 +486,10 @@ def report(header: list[str], args: argparse.Namespace, rounds: list[list[Row]])
     print(summary(rows))
     print("\nSpread over the rounds (min..max):\n")
     print(spread(rounds))
-    print("\ndedupworker timings and client CPU (worker CPU minus an idle worker's):\n")
+    print(
+        "\ndedupworker timings (jobs enqueued plainly) and client CPU (worker CPU minus an "
+        "idle worker's):\n"
+    )
     print(details(rows))
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import enqueue
+from dedupworker import Message, enqueue
 from dedupworker.checking import check, create_tables, overlapping_calls
 from dedupworker.embedded import LocalPostgres, find_local_bindir
 from dedupworker.schema import migrate
@@ -95,7 +95,8 @@ class Soak:
                 batch = [str(next_id + i) for i in range(self.args.rate // 10)]
                 next_id += len(batch)
                 try:
-                    enqueue(conn, "soak", [_body(m, self.args.entities) for m in batch])
+                    bodies = [_body(m, self.args.entities) for m in batch]
+                    enqueue(conn, "soak", bodies, entity=_every_other_entity)
                 except psycopg.Error:
                     conn.close()
                     conn = _reconnect(self.dsn)
@@ -185,6 +186,13 @@ class Soak:
 
 def _body(msg: str, entities: int) -> dict[str, Any]:
     return {"msg": msg, "entity": int(msg) % entities, "work_ms": 5}
+
+
+def _every_other_entity(message: Message) -> object:
+    """Even messages are enqueued with their entity (the claim locks it), odd ones without:
+    both claim paths meet on the same entities."""
+    body = message.json()
+    return body["entity"] if int(body["msg"]) % 2 == 0 else None
 
 
 def _reconnect(dsn: str) -> psycopg.Connection[Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import enqueue
+from dedupworker import Message, enqueue
 from dedupworker.checking import Report, check, create_tables
 
 from .conftest import ROOT, clean_env
@@ -100,8 +100,16 @@ def fill(conn: psycopg.Connection[Any]) -> tuple[list[str], list[str]]:
         {"msg": msg, "entity": int(msg) % ENTITIES, "work_ms": 10} for msg in produced
     ]
     bodies.insert(MESSAGES // 2, json.dumps({"msg": "poison"}))  # no entity: dead-lettered
-    enqueue(conn, "q", bodies)
+    enqueue(conn, "q", bodies, entity=every_other_entity)
     return [*produced, "poison"], ["poison"]
+
+
+def every_other_entity(message: Message) -> object:
+    """The entity of even-numbered messages, stored at enqueue (the claim locks it); odd ones
+    are enqueued without, so both paths meet on the same entities."""
+    body = message.json()
+    msg = str(body.get("msg", ""))
+    return body["entity"] if msg.isdigit() and int(msg) % 2 == 0 else None
 
 
 @contextmanager
