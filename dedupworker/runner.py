@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import psycopg
@@ -53,13 +52,13 @@ GIVE_BACK_DELAY = 1.0
 # Messages a thread claims ahead on one connection before it gives the connection back to the
 # pool once (so that the pool's checks and max_lifetime still apply to it).
 AHEAD_CHAIN = 1000
-# Seconds for which claims pass over entities that other threads run, after a thread met one.
+# Seconds for which claims pass over jobs of locked entities, after a message met one.
 CROWDED_FOR = 5.0
 
 
 class _Claim(NamedTuple):
     rows: Rows
-    skipping: bool  # it passed over entities running here: finding nothing proves nothing
+    skipping: bool  # it passed over locked entities: finding nothing proves nothing
 
 
 class _Ahead(NamedTuple):
@@ -91,10 +90,7 @@ class Runner:
         self._stats_lock = threading.Lock()
         self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
         self._held = threading.local()  # per thread, a claim made ahead (see step)
-        # Entities (as JSON) that this worker's threads run, by turn; see _claim.
-        self._running: dict[Hashable, str] = {}
-        self._running_lock = threading.Lock()
-        self._crowded_until = 0.0
+        self._crowded_until = 0.0  # see _claim
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
@@ -163,7 +159,7 @@ class Runner:
                 next_claim = None
                 if ahead and chain < AHEAD_CHAIN:
                     settle.tail()  # the next claim: its errors are its own, not this message's
-                    next_claim = self._claim(claiming, settle, own=delivery.turn)
+                    next_claim = self._claim(claiming, settle)
                 settle.run()
             finally:
                 self._end_turn(delivery)
@@ -199,8 +195,6 @@ class Runner:
 
     def _end_turn(self, delivery: Delivery) -> None:
         if delivery.turn is not None:
-            with self._running_lock:
-                self._running.pop(delivery.turn, None)
             self.turns.give_back(delivery.turn)
             delivery.turn = None
 
@@ -239,18 +233,16 @@ class Runner:
         delivery.entity = key.describe()
         turn = (key.sql, key.params)
         given = _given_lock(delivery, key)
-        if self.turns.busy(turn):  # a thread of ours runs it: claims pass over it for a while
+        if given is False or self.turns.busy(turn):
+            # Entities meet: for a while, claims pass over jobs whose given entity is locked.
             self._crowded_until = time.monotonic() + CROWDED_FOR
         if given is False:
             # The claim met the given entity's lock held, by another worker or by a thread of
-            # ours (while it runs here, the claims pass over its jobs): back to the queue at
-            # once, with no round trip of its own and no thread waiting.
+            # ours: back to the queue at once, with no round trip of its own, no thread waiting.
             return on_contended(handler, delivery), savepoint
         if not self.turns.take(turn, handler.local_wait):
             return on_contended(handler, delivery), savepoint
         delivery.turn = turn
-        with self._running_lock:
-            self._running[turn] = json.dumps(key.entity)
         return self._locked_call(delivery, conn, None if given else key, dedup_key, savepoint)
 
     def _locked_call(
@@ -314,36 +306,24 @@ class Runner:
         start = Batch(conn)
         if rollback:
             start.execute("ROLLBACK")
-        claim = self._claim(claiming, start, own=None, skip=skip)
+        claim = self._claim(claiming, start, skip=skip)
         start.run()
         return claim
 
-    def _claim(
-        self,
-        claiming: ClaimsInTransaction,
-        batch: Batch,
-        own: Hashable | None,
-        skip: bool = True,
-    ) -> _Claim:
+    def _claim(self, claiming: ClaimsInTransaction, batch: Batch, skip: bool = True) -> _Claim:
         """Queue BEGIN, the claim (with the lock of an entity given at enqueue), the handler's
         timeout and its savepoint: the whole start of a message in the claim's round trip.
 
-        While threads of this worker have lately met each other's entities, the claim passes
-        over jobs of entities that other threads (not `own`, this thread's) are running.
+        For CROWDED_FOR seconds after a message met its entity locked, the claim passes over
+        jobs whose given entity is locked (see sql.CLAIM_SKIPPING); otherwise it takes the
+        oldest job, as the cheaper statement.
         """
-        passing = self._passing(own) if skip else None
-        rows = claiming.claim(batch, self._lock, passing)
+        skipping = skip and time.monotonic() < self._crowded_until
+        rows = claiming.claim(batch, self._lock, skipping)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         batch.execute(SAVEPOINT)  # after the claim's lock (see _queue_lock)
-        return _Claim(rows, passing is not None)
-
-    def _passing(self, own: Hashable | None) -> str | None:
-        if time.monotonic() >= self._crowded_until:
-            return None
-        with self._running_lock:
-            running = [entity for turn, entity in self._running.items() if turn != own]
-        return f"[{','.join(running)}]" if running else None
+        return _Claim(rows, skipping)
 
     def _observe(self, delivery: Delivery, verdict: Verdict, elapsed: float) -> None:
         counter, histogram = self._counted[verdict.outcome]

@@ -30,28 +30,33 @@ SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_si
 FROM claimed
 """
 
-# The same, passing over jobs whose given entity is one of the JSON array %s (entities this
-# worker's other threads are running), among the first CLAIM_WINDOW ready jobs only: a hot
-# entity's backlog at the head of the queue costs a bounded scan. Nothing found (the window
-# all taken or all running here) makes the runner claim again with the plain statement.
+# The same, passing over jobs whose given entity is locked (by another worker, or another
+# thread of this one): the lock is tried in the WHERE clause, on ready rows only, so the first
+# job whose entity is free is claimed, locked and all. Only among the first CLAIM_WINDOW ready
+# jobs: a hot entity's backlog at the head of the queue costs a bounded scan; nothing found
+# there makes the runner claim again with CLAIM_LOCKING. A row whose entity lock this takes
+# and that another claimer has row-locked (it claimed it without the entity lock: an older
+# worker) keeps that lock to our COMMIT: more exclusion, never less.
 CLAIM_WINDOW = 32
 _CLAIM_SKIPPING = f"""
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity
     FROM dedupworker.jobs
     WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-      AND NOT %s::jsonb @> jsonb_build_array(entity)
       AND run_at <= coalesce(
           (SELECT run_at FROM dedupworker.jobs
            WHERE queue = %s AND status = 'ready'
            ORDER BY run_at, id OFFSET {CLAIM_WINDOW - 1} LIMIT 1),
           'infinity')
+      AND (entity IS NULL OR CASE
+          WHEN status = 'ready' AND run_at <= clock_timestamp() THEN {{lock}}
+      END)
     ORDER BY run_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity, {{lock}}
+       entity, CASE WHEN entity IS NOT NULL THEN true END
 FROM claimed
 """
 

@@ -80,12 +80,12 @@ class ClaimsInTransaction(Protocol):
     The runner queues `claim` after a message's COMMIT, in the same round trip, so that the
     next message's transaction begins with no round trip of its own. With `lock` (the handler's
     namespace and key mode) the claim also tries the lock of an entity given at enqueue
-    (`Delivery.given_entity`, `Delivery.given_locked`), and with `skip` (a JSON array of
-    entities) it may pass over jobs of those entities; finding nothing then proves nothing.
+    (`Delivery.given_entity`, `Delivery.given_locked`), and with `skip` it may pass over jobs
+    whose given entity is locked; finding nothing then proves nothing.
     """
 
     def claim(
-        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: str | None = None
+        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: bool = False
     ) -> Rows: ...
 
     def delivery(self, claimed: Rows) -> Delivery | None: ...

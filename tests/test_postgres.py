@@ -344,9 +344,8 @@ def test_a_hash64_handler_locks_its_given_entity_in_the_claim(
         pool.close()
 
 
-def running_here(runner: Runner, entity: int) -> None:
-    """As if another thread of the runner's worker were running `entity` and had met it."""
-    runner._running[("another thread",)] = str(entity)
+def crowded(runner: Runner) -> None:
+    """As if a message of the runner had just met its entity locked."""
     runner._crowded_until = time.monotonic() + 60
 
 
@@ -355,29 +354,48 @@ def remaining(conn: psycopg.Connection[Any]) -> list[int]:
     return [r[0] for r in rows]
 
 
-def test_claims_pass_over_entities_another_thread_runs_while_they_meet(
-    runner: Runner, conn: psycopg.Connection[Any]
+def test_claims_pass_over_locked_entities_while_entities_meet(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
 ) -> None:
     enqueue(conn, "q", [{"entity": e} for e in (1, 1, 2, 1)], entity=Scripted().entity_id)
-    running_here(runner, 1)
-    assert runner.step() is True
-    assert remaining(conn) == [1, 1, 1]
-    runner._crowded_until = 0.0  # no meeting lately: the plain claim, oldest first
-    assert runner.step() is True
-    assert remaining(conn) == [1, 1]
+    crowded(runner)
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT pg_advisory_xact_lock(30, 1)")  # another worker runs entity 1
+        assert runner.step() is True
+        assert remaining(conn) == [1, 1, 1]
+        assert calls(conn) == 1
+        # No meeting lately: the cheaper claim takes the oldest job and meets the lock.
+        runner._crowded_until = 0.0
+        assert runner.step() is True
+        assert calls(conn) == 1
+    assert runner.stats == {"succeeded": 1, "contended": 1}
+    assert runner._crowded_until > time.monotonic()  # meeting it started passing over again
 
 
-def test_a_window_full_of_running_entities_falls_back_to_the_plain_claim(
-    runner: Runner, conn: psycopg.Connection[Any]
+def test_a_window_of_locked_entities_falls_back_to_the_plain_claim(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
 ) -> None:
     count = sql.CLAIM_WINDOW + 5
     bodies = [{"entity": 1}] * count + [{"entity": 2}]
     enqueue(conn, "q", bodies, entity=Scripted().entity_id)
-    running_here(runner, 1)
-    # The skipping claim looks at the first CLAIM_WINDOW jobs only and finds none; the runner
-    # claims again without skipping (the lock is free: the "other thread" is make-believe).
+    crowded(runner)
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT pg_advisory_xact_lock(30, 1)")
+        # The skipping claim looks at the first CLAIM_WINDOW jobs only and finds none free;
+        # the runner claims again without skipping: the oldest job, contended.
+        assert runner.step() is True
+    assert calls(conn) == 0
+    assert runner.stats == {"contended": 1}
+    first = conn.execute("SELECT contentions FROM dedupworker.jobs ORDER BY id LIMIT 1")
+    assert first.fetchone() == (1,)
+
+
+def test_a_skipping_claim_still_claims_jobs_without_an_entity(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, "q", [{"entity": 5}])
+    crowded(runner)
     assert runner.step() is True
-    assert remaining(conn) == [1] * (count - 1) + [2]
     assert calls(conn) == 1
 
 

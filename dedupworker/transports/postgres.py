@@ -48,19 +48,19 @@ class PostgresTransport:
         return self.delivery(claimed)
 
     def claim(
-        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: str | None = None
+        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: bool = False
     ) -> Rows:
         """Queue the start of a message's transaction: BEGIN and the claim of one job, which
         with `lock` (namespace, key mode) also tries the lock of the entity given at enqueue,
-        and passes over jobs whose given entity is in `skip` (a JSON array) if it can."""
+        and with `skip` passes over jobs whose given entity is locked, if it can."""
         batch.execute("BEGIN")
         if lock is None:
             return batch.execute(sql.CLAIM, (self.queue,))
         namespace, mode = lock
         namespaces = (namespace, namespace) if mode == "int4" else (namespace,)  # see the SQL
-        if skip is None:
-            return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
-        return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, skip, self.queue, *namespaces))
+        if skip:
+            return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
 
     def delivery(self, claimed: Rows) -> Delivery | None:
         """The job `claim` got once its batch ran, or None when none was ready."""
