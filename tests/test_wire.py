@@ -124,16 +124,22 @@ def test_unsupported_parameter_types_are_refused_before_sending(
         Batch(conn).execute("SELECT %s", ({"a": 1},))
 
 
-def test_a_tail_that_fails_leaves_the_head_committed_and_raises_from_its_results(
-    prepared: psycopg.Connection[Any],
-) -> None:
-    prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    batch = Batch(prepared)
+def insert_then_tail(conn: psycopg.Connection[Any]) -> Batch:
+    """A batch whose head inserts 1 into t and commits, and whose tail begins a transaction."""
+    batch = Batch(conn)
     batch.execute("BEGIN")
     batch.execute("INSERT INTO t VALUES (%s)", (1,))
     batch.execute("COMMIT")
     batch.tail()
     batch.execute("BEGIN")
+    return batch
+
+
+def test_a_tail_that_fails_leaves_the_head_committed_and_raises_from_its_results(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    batch = insert_then_tail(prepared)
     failed = batch.execute("SELECT 1 / %s::int4", (0,))
     skipped = batch.execute("SELECT %s::int4", (7,))
     batch.run()  # the head's COMMIT went through: no error here
@@ -151,12 +157,7 @@ def test_a_head_that_fails_raises_and_its_tail_never_runs(
 ) -> None:
     prepared.execute("CREATE TABLE t (id int PRIMARY KEY)")
     prepared.execute("INSERT INTO t VALUES (1)")
-    batch = Batch(prepared)
-    batch.execute("BEGIN")
-    batch.execute("INSERT INTO t VALUES (%s)", (1,))
-    batch.execute("COMMIT")
-    batch.tail()
-    batch.execute("BEGIN")
+    batch = insert_then_tail(prepared)
     tail = batch.execute("INSERT INTO t VALUES (%s) RETURNING id", (2,))
     with pytest.raises(psycopg.errors.UniqueViolation):
         batch.run()
