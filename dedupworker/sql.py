@@ -35,8 +35,9 @@ FROM claimed
 # job whose entity is free is claimed, locked and all. Only among the first CLAIM_WINDOW ready
 # jobs: a hot entity's backlog at the head of the queue costs a bounded scan; nothing found
 # there makes the runner claim again with CLAIM_LOCKING. A row whose entity lock this takes
-# and that another claimer has row-locked (it claimed it without the entity lock: an older
-# worker) keeps that lock to our COMMIT: more exclusion, never less.
+# and that another claimer has row-locked (one that locks the row before the entity: an older
+# worker, or CLAIM_LOCKING between the two) keeps that lock to our COMMIT: more exclusion,
+# never less.
 CLAIM_WINDOW = 32
 _CLAIM_SKIPPING = f"""
 WITH claimed AS (
