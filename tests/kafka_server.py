@@ -7,6 +7,7 @@ confluent-kafka; settings that make group joins and rebalances fast are in FAST_
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -72,6 +73,7 @@ class Tansu:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Stop the broker by its pid and remove its log's directory."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -79,6 +81,7 @@ class Tansu:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
     def _accepts(self) -> bool:
         try:
