@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ import confluent_kafka
 import psycopg
 from confluent_kafka import Consumer
 
+from bench.postgres_throughput import children_cpu, self_cpu, table
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 from tests.kafka_server import FAST_GROUP, Tansu, tansu_binary
@@ -104,16 +104,6 @@ def process_cpu(pid: int) -> float:
     """utime + stime of a process (all its threads) from /proc, in seconds."""
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def self_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
@@ -399,12 +389,6 @@ def median_rows(rounds: list[list[Row]]) -> list[Row]:
 
 
 # --- output ------------------------------------------------------------------------------
-
-
-def table(head: list[str], lines: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines]
-    return "\n".join(out)
 
 
 def ratio(value: float) -> str:

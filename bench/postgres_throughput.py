@@ -51,6 +51,14 @@ from dedupworker.schema import migrate
 NAMESPACE = 77  # bench.noop.Noop.lock_namespace
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.keys (int4)
+# The worker's claim (dedupworker.sql.CLAIM_LOCKING) without the given entity's lock.
+PLAIN_CLAIM = """
+SELECT id, body, headers, attempts, contentions
+FROM dedupworker.jobs
+WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+ORDER BY run_at, id LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
 GONE = "SELECT NOT EXISTS (SELECT 1 FROM dedupworker.jobs WHERE id BETWEEN %s AND %s)"
 POLL_SECONDS = 0.01
 
@@ -267,7 +275,7 @@ def plain_step(conn: psycopg.Connection[Any], queue: str) -> bool:
     """One transaction, statement for statement and round trip for round trip the runner's."""
     with conn.pipeline():
         conn.execute("BEGIN")
-        claim = conn.execute(sql.CLAIM, (queue,))
+        claim = conn.execute(PLAIN_CLAIM, (queue,))
     row = claim.fetchone()
     if row is None:
         conn.execute("ROLLBACK")

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
-CLAIM = """
-SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8
-FROM dedupworker.jobs
-WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-ORDER BY run_at, id
-LIMIT 1
-FOR UPDATE SKIP LOCKED
-"""
-
-# The claim that also tries the lock of the entity given at enqueue (NULL when none was given),
+# The claim: one ready job, oldest first, skipping rows other claims hold. It also tries the
+# lock of the entity given at enqueue (NULL when none was given),
 # computed as dedupworker.keys does; the worker checks the entity against its handler's before
 # it trusts the result. The CTE claims one row first: the lock is tried on that row only.
 _CLAIM_LOCKING = """

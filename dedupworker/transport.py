@@ -41,14 +41,14 @@ class Delivery:
 class Transport(Protocol):
     """What a message source does for the worker; the worker decides, the transport obeys.
 
-    When `settles_in_transaction` is true (the postgres queue), `receive` begins the message's
-    transaction on `conn` (an autocommit connection) with its claim, the runner takes the entity
-    lock in it, and the settling calls run in it before COMMIT, queued on a `wire.Batch`;
-    otherwise `conn` is None and settling happens after the transaction committed.
+    `receive` (its `conn` is None) hands over the next message and settling happens after the
+    handler's transaction committed (SQS, Kafka). A transport whose messages are rows of the
+    database (the postgres queue) implements `ClaimsInTransaction` too and is never asked to
+    `receive`: the runner claims in the message's own transaction, and the settling calls are
+    queued on that transaction's `wire.Batch` before COMMIT.
     """
 
     name: str
-    settles_in_transaction: bool
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None: ...
 
@@ -79,14 +79,12 @@ class ClaimsInTransaction(Protocol):
 
     The runner queues `claim` after a message's COMMIT, in the same round trip, so that the
     next message's transaction begins with no round trip of its own. With `lock` (the handler's
-    namespace and key mode) the claim also tries the lock of an entity given at enqueue
+    namespace and key mode) the claim tries the lock of an entity given at enqueue
     (`Delivery.given_entity`, `Delivery.given_locked`), and with `skip` it may pass over jobs
     whose given entity is locked; finding nothing then proves nothing.
     """
 
-    def claim(
-        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: bool = False
-    ) -> Rows: ...
+    def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows: ...
 
     def delivery(self, claimed: Rows) -> Delivery | None: ...
 

@@ -22,7 +22,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,9 +38,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from dedupworker.checking import CheckedHandler, Report, check, create_tables, overlapping_calls
 from dedupworker.transports.kafka import REASON
 
-from .conftest import ROOT, clean_env
+from .conftest import clean_env
 from .kafka_proxied import ProxiedTansu
 from .kafka_server import FAST_GROUP, Tansu, tansu_binary
+from .worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -130,65 +130,21 @@ def produce(broker: Tansu, work_ms: Callable[[str], int], partitions: int = PART
     return Topic(name, f"g-{name}", partitions, [*produced, POISON], ends, entities_of)
 
 
-class Workers:
+class Workers(WorkerProcesses):
     """`dedupworker run --transport kafka --drain` processes of one group; each logs to a file."""
 
     def __init__(self, broker: Tansu, topic: Topic, dsn: str, logs: Path) -> None:
         options = ",".join(f"{key}={value}" for key, value in SETTINGS.items())
-        self.env = {
+        env = {
             **clean_env(),
             "DEDUPWORKER_DSN": dsn,
             "DEDUPWORKER_CHECK_DSN": dsn,
             "DEDUPWORKER_KAFKA_OPTION": options,
         }
-        self.bootstrap = broker.bootstrap
-        self.topic = topic
-        self.logs = logs
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.killed: set[int] = set()
-        self.reaped = 0
-
-    def spawn(self) -> subprocess.Popen[bytes]:
-        with open(self.logs / f"worker{len(self.procs)}.log", "wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dedupworker",
-                    "--log-level",
-                    "INFO",
-                    "run",
-                    CHECKED,
-                    "--transport",
-                    "kafka",
-                    "--queue",
-                    self.topic.name,
-                    "--bootstrap-servers",
-                    self.bootstrap,
-                    "--group-id",
-                    self.topic.group,
-                    "--concurrency",
-                    "3",
-                    "--drain",
-                    "--shutdown-timeout",
-                    "10",
-                    "--connect-timeout",
-                    "30",
-                ],
-                cwd=ROOT,
-                env=self.env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        self.procs.append(proc)
-        return proc
-
-    def alive(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in self.procs if p.poll() is None]
-
-    def log(self, proc: subprocess.Popen[bytes]) -> str:
-        index = self.procs.index(proc)
-        return (self.logs / f"worker{index}.log").read_text(errors="replace")
+        args = [CHECKED, "--transport", "kafka", "--queue", topic.name]
+        args += ["--bootstrap-servers", broker.bootstrap, "--group-id", topic.group]
+        args += ["--concurrency", "3", "--drain", "--shutdown-timeout", "10"]
+        super().__init__(env, logs, [*args, "--connect-timeout", "30"], drain_limit=90)
 
     def owned(self, proc: subprocess.Popen[bytes]) -> set[int]:
         """The partitions a worker holds now, from what it logged on each rebalance."""
@@ -211,25 +167,6 @@ class Workers:
                 return proc
             proc.send_signal(signal.SIGCONT)
         return None
-
-    def wait(self, limit: float = 90) -> None:
-        """Reap every process: each must have drained and exited 0, unless the test killed it."""
-        deadline = time.monotonic() + limit
-        while self.reaped < len(self.procs):
-            proc = self.procs[self.reaped]
-            try:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {proc.pid} never drained:\n{self.log(proc)[-3000:]}")
-            expected = -signal.SIGKILL if proc.pid in self.killed else 0
-            assert proc.returncode == expected, self.log(proc)[-3000:]
-            self.reaped += 1
-
-    def stop_all(self) -> None:
-        """After a failure: nothing outlives the test."""
-        for proc in self.alive():
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 @contextmanager
@@ -384,8 +321,7 @@ def test_a_worker_killed_mid_handler_is_replaced_and_the_group_still_drains_ever
         victim = until(
             "partition 0's owner mid-call", lambda: workers.stopped_mid_call(conn, [owner])
         )
-        workers.killed.add(victim.pid)
-        victim.kill()
+        workers.kill(victim, replace=False)
         victim.wait(30)
         survivors = workers.alive()
         replacement = workers.spawn()

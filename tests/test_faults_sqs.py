@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,10 +35,11 @@ import pytest
 from dedupworker.checking import Report, check, create_tables, overlapping_calls
 from dedupworker.transports.sqs import REASON
 
-from .conftest import ROOT, clean_env
+from .conftest import clean_env
 from .proxy import Proxy
 from .sqs_fault_handlers import RECEIPTS
 from .sqs_server import Queues, SqsServer
+from .worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -68,84 +68,17 @@ def sqs() -> Iterator[SqsServer]:
     server.stop()
 
 
-class Workers:
+class Workers(WorkerProcesses):
     """Worker processes draining one queue; replaceable when a fault kills one."""
 
     def __init__(self, env: dict[str, str], url: str, logs: Path, handler: str = CHECKED) -> None:
-        self.env = env
-        self.url = url
-        self.logs = logs
-        self.handler = handler
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.killed: set[int] = set()
-        self.reaped = 0
-
-    def spawn(self) -> subprocess.Popen[bytes]:
-        log = self.logs / f"worker{len(self.procs)}.log"
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dedupworker",
-                    "--log-level",
-                    "INFO",
-                    "run",
-                    self.handler,
-                    "--transport",
-                    "sqs",
-                    "--queue",
-                    self.url,
-                    "--concurrency",
-                    "3",
-                    "--drain",
-                    "--poll-interval",
-                    "0.2",
-                    "--visibility-timeout",
-                    str(VISIBILITY),
-                    "--connect-timeout",
-                    "60",
-                ],
-                cwd=ROOT,
-                env=self.env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        self.procs.append(proc)
-        return proc
-
-    def alive(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in self.procs if p.poll() is None]
-
-    def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGKILL one worker and start its replacement."""
-        self.killed.add(proc.pid)  # first: the main thread may reap it at once
-        proc.kill()
-        self.spawn()
+        args = [handler, "--transport", "sqs", "--queue", url, "--concurrency", "3", "--drain"]
+        args += ["--poll-interval", "0.2", "--visibility-timeout", str(VISIBILITY)]
+        super().__init__(env, logs, [*args, "--connect-timeout", "60"], drain_limit=120)
 
     def started(self) -> bool:
         """Every worker is past its start-up calls to SQS (it logs its queue after them)."""
-        return all("(standard queue" in self.log(i) for i in range(len(self.procs)))
-
-    def log(self, index: int) -> str:
-        return (self.logs / f"worker{index}.log").read_text(errors="replace")
-
-    def wait(self, limit: float = 120) -> None:
-        """Reap every process, including replacements spawned while waiting: each must have
-        drained and exited 0, unless the test killed it."""
-        deadline = time.monotonic() + limit
-        while self.reaped < len(self.procs):
-            proc = self.procs[self.reaped]
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-            expected = -signal.SIGKILL if proc.pid in self.killed else 0
-            assert proc.returncode == expected, self.log(self.reaped)[-3000:]
-            self.reaped += 1
-
-    def stop_all(self) -> None:
-        """After a failure: nothing outlives the test (a frozen process dies of SIGKILL too)."""
-        for proc in self.alive():
-            proc.kill()
-            proc.wait(timeout=30)
+        return all("(standard queue" in self.log(proc) for proc in self.procs)
 
 
 def worker_env(sqs: SqsServer, dsn: str, **extra: str) -> dict[str, str]:
@@ -378,7 +311,7 @@ def test_sqs_endpoint_cut_and_restored_workers_ride_it_out(
     assert seen["effects_at_cut"] < MESSAGES  # cut while work was left
     assert seen["alive_at_restore"] == PROCESSES  # nobody gave up during the cut
     # The workers met the cut (their SQS calls failed, naming the endpoint) and carried on.
-    assert any(through in workers.log(i) for i in range(len(workers.procs)))
+    assert any(through in workers.log(proc) for proc in workers.procs)
 
 
 def test_visibility_lost_mid_call_the_lock_keeps_the_redelivered_message_waiting(

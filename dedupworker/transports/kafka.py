@@ -344,7 +344,6 @@ class KafkaTransport:
     """Consume one topic in one consumer group; see the module docstring for the scheme."""
 
     name = "kafka"
-    settles_in_transaction = False
 
     def __init__(self, config: WorkerConfig, pool: Any = None) -> None:
         consumer_settings, producer_settings = client_settings(config)

@@ -15,7 +15,7 @@ from ..db import connection_kwargs
 from ..keys import KeyMode
 from ..message import Message
 from ..transport import Delivery
-from ..wire import Batch, Executor, Rows
+from ..wire import Executor, Rows
 
 log = logging.getLogger("dedupworker")
 
@@ -24,7 +24,6 @@ IN_FLIGHT_RECHECK = 0.05
 
 class PostgresTransport:
     name = "postgres"
-    settles_in_transaction = True
 
     def __init__(self, config: WorkerConfig, pool: ConnectionPool[Any]) -> None:
         self.config = config
@@ -41,21 +40,14 @@ class PostgresTransport:
             self._listener.start()
 
     def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None:
-        assert conn is not None, "the postgres transport claims inside the locked transaction"
-        batch = Batch(conn)
-        claimed = self.claim(batch)
-        batch.run()
-        return self.delivery(claimed)
+        """Never asked: the runner claims in the message's own transaction (see claim)."""
+        raise TypeError("the postgres queue claims inside the runner's transaction: see claim()")
 
-    def claim(
-        self, batch: Executor, lock: tuple[int, KeyMode] | None = None, skip: bool = False
-    ) -> Rows:
+    def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
         """Queue the start of a message's transaction: BEGIN and the claim of one job, which
-        with `lock` (namespace, key mode) also tries the lock of the entity given at enqueue,
-        and with `skip` passes over jobs whose given entity is locked, if it can."""
+        tries the lock of the entity given at enqueue with the handler's `lock` (namespace, key
+        mode), and with `skip` passes over jobs whose given entity is locked, if it can."""
         batch.execute("BEGIN")
-        if lock is None:
-            return batch.execute(sql.CLAIM, (self.queue,))
         namespace, mode = lock
         namespaces = (namespace, namespace) if mode == "int4" else (namespace,)  # see the SQL
         if skip:

@@ -308,7 +308,6 @@ class SqsTransport:
     """Messages from one SQS queue (standard or FIFO), given by its URL in `config.queue`."""
 
     name = "sqs"
-    settles_in_transaction = False
 
     def __init__(self, config: WorkerConfig, pool: Any = None) -> None:
         self.config = config
