@@ -38,6 +38,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from dedupworker.checking import CheckedHandler, Report, check, create_tables, overlapping_calls
 from dedupworker.transports.kafka import REASON
 
+from .checked_calls import effects, scalar
 from .conftest import clean_env
 from .kafka_proxied import ProxiedTansu
 from .kafka_server import FAST_GROUP, Tansu, tansu_binary
@@ -198,17 +199,6 @@ def until(what: str, done: Callable[[], T], limit: float = 60, pause: float = 0.
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(pause)
     return result
-
-
-def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return row[0]
-
-
-def effects(conn: psycopg.Connection[Any]) -> int:
-    count: int = scalar(conn, "SELECT count(DISTINCT msg) FROM check_effects")
-    return count
 
 
 def calls_by(conn: psycopg.Connection[Any], pid: int) -> int:

@@ -35,6 +35,7 @@ import pytest
 from dedupworker.checking import Report, check, create_tables, overlapping_calls
 from dedupworker.transports.sqs import REASON
 
+from .checked_calls import effects, scalar
 from .conftest import clean_env
 from .proxy import Proxy
 from .sqs_fault_handlers import RECEIPTS
@@ -196,17 +197,6 @@ def assert_clean(
     assert {msg for msg, _ in dead} == set(poison), dead  # dead-lettered, not dropped
     assert depth(sqs, queues.url) == (0, 0, 0)
     return report
-
-
-def scalar(conn: psycopg.Connection[Any], query: str, *params: Any) -> Any:
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return row[0]
-
-
-def effects(conn: psycopg.Connection[Any]) -> int:
-    count: int = scalar(conn, "SELECT count(DISTINCT msg) FROM check_effects")
-    return count
 
 
 def until(done: Callable[[], Any], stop: threading.Event, limit: float = 60) -> Any:
