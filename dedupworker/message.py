@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+_decode = json.JSONDecoder().decode
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -24,7 +26,8 @@ class Message:
 
     def json(self) -> Any:
         """The body parsed as JSON (UTF-8). Raises ValueError when it is not JSON."""
-        return json.loads(self.body)
+        # Decoded first: json.loads on bytes spends longer guessing the encoding than parsing.
+        return _decode(self.body.decode("utf-8"))
 
     def text(self) -> str:
         """The body decoded as UTF-8. Raises UnicodeDecodeError when it is not."""

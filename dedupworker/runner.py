@@ -26,7 +26,7 @@ from . import metrics, sql
 from .db import fetch_flag
 from .handler import Handler
 from .hot import HotEntities
-from .keys import LockKey, lock_key
+from .keys import LockKey, lock_key, normalize_entity
 from .outcomes import (
     DUPLICATE,
     Outcome,
@@ -46,7 +46,8 @@ log = logging.getLogger("dedupworker")
 SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
-_OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+_INTRANS, _INERROR = int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR)
+_OPEN = (_INTRANS, _INERROR)
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
 GIVE_BACK_DELAY = 1.0
 # Messages a thread claims ahead on one connection before it gives the connection back to the
@@ -89,7 +90,7 @@ class Runner:
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
         self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
-        self._held = threading.local()  # per thread, a claim made ahead (see step)
+        self._held = _Held()  # per thread, a claim made ahead (see step)
         self._crowded_until = 0.0  # see _claim
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
@@ -125,57 +126,90 @@ class Runner:
                 held.conn.execute("ROLLBACK")
 
     def _take_held(self) -> _Ahead | None:
-        held: _Ahead | None = getattr(self._held, "claim", None)
+        held: _Ahead | None = self._held.claim
         self._held.claim = None
         return held
 
     def _step_in_transaction(self, claiming: ClaimsInTransaction, ahead: bool) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        held = self._take_held()
-        chain = held.chain if held is not None else 0
-        with _borrowed(self.pool, None if held is None else held.conn) as lease:
-            conn = lease.conn
-            claim = self._start(claiming, conn) if held is None else held.claim
-            delivery = claiming.delivery(claim.rows)
-            if delivery is None and claim.skipping:
-                # The jobs it passed over may be all there is: claim again, passing none.
-                claim = self._start(claiming, conn, skip=False, rollback=True)
-                delivery = claiming.delivery(claim.rows)
+        held: _Ahead | None = self._held.claim
+        if held is None:
+            conn, claim, chain = self.pool.getconn(), None, 0
+        else:
+            self._held.claim = None
+            conn, claim, chain = held
+        try:
+            delivery = self._delivery(claiming, conn, claim)
             if delivery is None:
                 conn.execute("ROLLBACK")
+                self.pool.putconn(conn)
                 return False
             try:
                 verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
-                settle = Batch(conn)  # ledger + end of savepoint + settlement + COMMIT: one trip
-                self._record_processed(settle, verdict)
-                if in_savepoint:
-                    _end_savepoint(settle, keep=verdict.outcome in _KEPT)
-                carry_out(self.transport, delivery, verdict, settle)
-                if self._after_settle:
-                    settle.run()
-                    self.handler.after_settle(delivery.message, verdict.outcome, conn)
-                settle.execute("COMMIT")
-                next_claim = None
-                if ahead and chain < AHEAD_CHAIN:
-                    settle.tail()  # the next claim: its errors are its own, not this message's
-                    next_claim = self._claim(claiming, settle)
-                settle.run()
+                ahead = ahead and chain < AHEAD_CHAIN
+                next_claim = self._settle(claiming, delivery, (verdict, in_savepoint), conn, ahead)
             finally:
                 self._end_turn(delivery)
-            if next_claim is not None:
-                lease.keep = True
-                self._held.claim = _Ahead(conn, next_claim, chain + 1)
+        except BaseException:
+            _give_back_broken(self.pool, conn)
+            raise
+        if next_claim is not None:
+            self._held.claim = _Ahead(conn, next_claim, chain + 1)
+        else:
+            self.pool.putconn(conn)
         self._record(delivery, verdict, started)
         return True
+
+    def _delivery(
+        self, claiming: ClaimsInTransaction, conn: psycopg.Connection[Any], claim: _Claim | None
+    ) -> Delivery | None:
+        """The message of the claim made ahead, or of a claim made now."""
+        if claim is None:
+            claim = self._start(claiming, conn)
+        delivery = claiming.delivery(claim.rows)
+        if delivery is None and claim.skipping:
+            # The jobs it passed over may be all there is: claim again, passing none.
+            claim = self._start(claiming, conn, skip=False, rollback=True)
+            delivery = claiming.delivery(claim.rows)
+        return delivery
+
+    def _settle(
+        self,
+        claiming: ClaimsInTransaction,
+        delivery: Delivery,
+        decided: tuple[Verdict, bool],
+        conn: psycopg.Connection[Any],
+        ahead: bool,
+    ) -> _Claim | None:
+        """Ledger, end of the savepoint, settlement and COMMIT in one round trip, with the
+        thread's next claim when it may make one ahead; returns that claim."""
+        verdict, in_savepoint = decided
+        settle = Batch(conn)
+        self._record_processed(settle, verdict)
+        if in_savepoint:
+            _end_savepoint(settle, keep=verdict.outcome in _KEPT)
+        carry_out(self.transport, delivery, verdict, settle)
+        if self._after_settle:
+            settle.run()
+            self.handler.after_settle(delivery.message, verdict.outcome, conn)
+        next_claim = None
+        if ahead:
+            # The next message's transaction opens with this one's COMMIT.
+            settle.execute("COMMIT AND CHAIN")
+            settle.tail()  # the next claim: its errors are its own, not this message's
+            next_claim = self._claim(claiming, settle)
+        else:
+            settle.execute("COMMIT")
+        settle.run()
+        return next_claim
 
     def _step_then_settle(self) -> bool:
         delivery = self.transport.receive(None)
         if delivery is None:
             return False
         try:
-            with _borrowed(self.pool) as lease:
-                conn = lease.conn
+            with _borrowed(self.pool) as conn:
                 # No savepoint: a failure rolls the whole transaction back, nothing else is in it.
                 verdict, _, started = self._process(delivery, conn, savepoint=False)
                 end = Batch(conn)
@@ -224,15 +258,17 @@ class Runner:
         """
         handler, message = self.handler, delivery.message
         try:
-            key = lock_key(
-                handler.lock_namespace, handler.entity_id(message), handler.lock_key_mode
-            )
+            entity = normalize_entity(handler.entity_id(message))
             dedup_key = handler.dedup_key(message)
         except Exception as exc:
             return on_bad_entity(exc), savepoint
-        delivery.entity = key.describe()
+        delivery.entity = entity
+        given = _given_lock(delivery, entity)
+        if given:
+            # The claim took the entity's lock: no thread of ours, no other worker holds it.
+            return self._locked_call(delivery, conn, None, dedup_key, savepoint)
+        key = lock_key(handler.lock_namespace, entity, handler.lock_key_mode)
         turn = (key.sql, key.params)
-        given = _given_lock(delivery, key)
         if given is False or self.turns.busy(turn):
             # Entities meet: for a while, claims pass over jobs whose given entity is locked.
             self._crowded_until = time.monotonic() + CROWDED_FOR
@@ -243,7 +279,7 @@ class Runner:
         if not self.turns.take(turn, handler.local_wait):
             return on_contended(handler, delivery), savepoint
         delivery.turn = turn
-        return self._locked_call(delivery, conn, None if given else key, dedup_key, savepoint)
+        return self._locked_call(delivery, conn, key, dedup_key, savepoint)
 
     def _locked_call(
         self,
@@ -255,18 +291,21 @@ class Runner:
     ) -> tuple[Verdict, bool]:
         """Lock `key` (None: the claim holds the lock already), check the ledger, call."""
         handler, message = self.handler, delivery.message
-        batch = Batch(conn)  # lock and ledger check, as far as needed: one round trip
-        locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
-        # A plain read: it never waits, and under the lock it sees every committed call for
-        # this entity.
-        seen = (
-            None if dedup_key is None else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
-        )
-        batch.run()
-        if locked is not None and not fetch_flag(locked):
-            return on_contended(handler, delivery), savepoint
-        if seen is not None and fetch_flag(seen):
-            return DUPLICATE, savepoint
+        if key is not None or dedup_key is not None:
+            batch = Batch(conn)  # lock and ledger check, as far as needed: one round trip
+            locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
+            # A plain read: it never waits, and under the lock it sees every committed call
+            # for this entity.
+            seen = (
+                None
+                if dedup_key is None
+                else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
+            )
+            batch.run()
+            if locked is not None and not fetch_flag(locked):
+                return on_contended(handler, delivery), savepoint
+            if seen is not None and fetch_flag(seen):
+                return DUPLICATE, savepoint
         try:
             if not handler.may_run(message, conn):
                 return on_contended(handler, delivery), savepoint
@@ -275,7 +314,7 @@ class Runner:
         except Exception as exc:
             if conn.broken or conn.closed:
                 raise
-            still_open = conn.info.transaction_status in _OPEN
+            still_open = conn.pgconn.transaction_status in _OPEN
             return on_failure(handler, delivery, exc), savepoint and still_open
         return on_success(dedup_key), savepoint
 
@@ -304,15 +343,15 @@ class Runner:
     ) -> _Claim:
         """The start of a message in a round trip of its own (no claim was made ahead)."""
         start = Batch(conn)
-        if rollback:
-            start.execute("ROLLBACK")
+        start.execute("ROLLBACK AND CHAIN" if rollback else "BEGIN")
         claim = self._claim(claiming, start, skip=skip)
         start.run()
         return claim
 
     def _claim(self, claiming: ClaimsInTransaction, batch: Batch, skip: bool = True) -> _Claim:
-        """Queue BEGIN, the claim (with the lock of an entity given at enqueue), the handler's
-        timeout and its savepoint: the whole start of a message in the claim's round trip.
+        """Queue the claim (with the lock of an entity given at enqueue), the handler's timeout
+        and its savepoint: the whole start of a message in the claim's round trip, right after
+        the statement that opens its transaction (BEGIN, or the last one's COMMIT AND CHAIN).
 
         For CROWDED_FOR seconds after a message met its entity locked, the claim passes over
         jobs whose given entity is locked (see sql.CLAIM_SKIPPING); otherwise it takes the
@@ -332,6 +371,11 @@ class Runner:
         if verdict.outcome is Outcome.SUCCEEDED and delivery.contended_since is not None:
             self._lock_wait.observe(max(0.0, time.time() - delivery.contended_since))
 
+    def _describe(self, delivery: Delivery) -> str:
+        """The message's entity as `namespace:key` (logs, hot entities), '' if unknown."""
+        entity = delivery.entity
+        return "" if entity is None else f"{self.handler.lock_namespace}:{entity}"
+
     def _record_processed(self, conn: Executor, verdict: Verdict) -> None:
         if verdict.record is not None:
             conn.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
@@ -339,10 +383,10 @@ class Runner:
     def _record(self, delivery: Delivery, verdict: Verdict, started: float) -> None:
         elapsed = time.perf_counter() - started
         if verdict.outcome is Outcome.CONTENDED:
-            self.hot.add(delivery.entity)
+            self.hot.add(self._describe(delivery))
         if self.observe:
             self._observe(delivery, verdict, elapsed)
-        outcome = verdict.outcome.value
+        outcome = _VALUES[verdict.outcome]
         with self._stats_lock:
             self.stats[outcome] += 1
         level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
@@ -361,7 +405,7 @@ class Runner:
                 "handler": self.handler.name,
                 "transport": self.transport.name,
                 "message_id": message.id,
-                "entity": delivery.entity,
+                "entity": self._describe(delivery),
                 "outcome": outcome,
                 "attempt": message.attempt,
                 "duration_seconds": round(elapsed, 6),
@@ -369,6 +413,7 @@ class Runner:
         )
 
 
+_VALUES = {outcome: outcome.value for outcome in Outcome}  # without enum's property per call
 _LOG_LEVELS = {Outcome.DEAD_LETTERED: logging.WARNING, Outcome.RETRIED: logging.INFO}
 
 
@@ -377,58 +422,56 @@ class HandlerBrokeTransaction(Exception):
 
 
 def _check_transaction(conn: psycopg.Connection[Any]) -> None:
-    status = conn.info.transaction_status
-    if status == TransactionStatus.INERROR:
+    status = conn.pgconn.transaction_status  # an int: no enum built per message
+    if status == _INTRANS:
+        return
+    if status == _INERROR:
         raise HandlerBrokeTransaction(
             "handle() returned after an SQL error left the transaction aborted; its writes are "
             "rolled back (catch database errors around a nested `with conn.transaction():`)"
         )
-    if status != TransactionStatus.INTRANS:
-        raise HandlerBrokeTransaction(
-            "handle() ended the worker's transaction (commit or rollback), which released the "
-            "entity lock early; use `with conn.transaction():` for nested blocks"
-        )
-
-
-class _Lease:
-    """A connection lent for one message; `keep` holds it past the message (see Runner.step)."""
-
-    __slots__ = ("conn", "keep")
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.conn = conn
-        self.keep = False
+    raise HandlerBrokeTransaction(
+        "handle() ended the worker's transaction (commit or rollback), which released the "
+        "entity lock early; use `with conn.transaction():` for nested blocks"
+    )
 
 
 @contextlib.contextmanager
 def _borrowed(
     pool: ConnectionPool[Any], held: psycopg.Connection[Any] | None = None
-) -> Iterator[_Lease]:
-    """A pool connection (or the one this thread `held` on to) for one message.
+) -> Iterator[psycopg.Connection[Any]]:
+    """A pool connection (or the one this thread held on to) for one message, given back to
+    the pool afterwards.
 
     Not `pool.connection()`: every transaction here ends with its own COMMIT or ROLLBACK, and
-    skipping its commit-on-exit halves its cost per message. After an error the connection is
-    rolled back and always returned.
+    skipping its commit-on-exit halves its cost per message.
     """
-    lease = _Lease(pool.getconn() if held is None else held)
+    conn = pool.getconn() if held is None else held
     try:
-        yield lease
+        yield conn
     except BaseException:
-        conn = lease.conn
-        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-            with contextlib.suppress(Exception):
-                conn.rollback()
-        pool.putconn(conn)
+        _give_back_broken(pool, conn)
         raise
-    if not lease.keep:
-        pool.putconn(lease.conn)
+    pool.putconn(conn)
 
 
-def _given_lock(delivery: Delivery, key: LockKey) -> bool | None:
-    """What the claim's try of the entity given at enqueue says about `key`: held (True),
+def _give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:
+    """After an error: roll back whatever is open, and always return the connection."""
+    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+    pool.putconn(conn)
+
+
+class _Held(threading.local):
+    claim: _Ahead | None = None
+
+
+def _given_lock(delivery: Delivery, entity: int | str) -> bool | None:
+    """What the claim's try of the entity given at enqueue says about `entity`: held (True),
     held elsewhere (False), or nothing (None: no entity given, or not the handler's own)."""
     given = delivery.given_entity
-    if delivery.given_locked is None or type(given) is not type(key.entity) or given != key.entity:
+    if delivery.given_locked is None or type(given) is not type(entity) or given != entity:
         return None
     return delivery.given_locked
 

@@ -29,8 +29,8 @@ class Delivery:
     receipt: Any = None
     # Unix time of the message's first contention, if it met one (for the lock-wait metric).
     contended_since: float | None = None
-    # "namespace:key" once the runner computed it, for logs.
-    entity: str = ""
+    # The handler's entity for it once the runner computed it (for logs and hot entities).
+    entity: int | str | None = None
     # The entity's turn among the worker's threads, held from the lock until after COMMIT.
     turn: Hashable | None = None
     # postgres: the entity given at enqueue and whether the claim took its lock (None: none given).
@@ -77,8 +77,9 @@ class Transport(Protocol):
 class ClaimsInTransaction(Protocol):
     """What a transport that settles in the transaction adds: its claim, queued on a batch.
 
-    The runner queues `claim` after a message's COMMIT, in the same round trip, so that the
-    next message's transaction begins with no round trip of its own. With `lock` (the handler's
+    The runner opens the transaction (BEGIN, or a message's COMMIT AND CHAIN) and queues
+    `claim` after it, in the same round trip, so that the next message's transaction begins
+    with no round trip of its own. With `lock` (the handler's
     namespace and key mode) the claim tries the lock of an entity given at enqueue
     (`Delivery.given_entity`, `Delivery.given_locked`), and with `skip` it may pass over jobs
     whose given entity is locked; finding nothing then proves nothing.

@@ -24,13 +24,11 @@ Measured in `bench/README.md` (the runner's share of client CPU per message fell
 from __future__ import annotations
 
 import binascii
-import collections
 import hashlib
 import itertools
 import json
 import re
 import select
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -42,18 +40,14 @@ _OK = int(pq.ExecStatus.COMMAND_OK)
 _TUPLES = int(pq.ExecStatus.TUPLES_OK)
 _FATAL = int(pq.ExecStatus.FATAL_ERROR)
 _SYNC = int(pq.ExecStatus.PIPELINE_SYNC)
-_NAMES: dict[str, bytes] = {}
-_TEXTS: dict[str, bytes] = {}
-_PREPARED: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = (
-    weakref.WeakKeyDictionary()
-)
+_CONN_OK = int(pq.ConnStatus.OK)
+_PREPARED = "_dedupworker_prepared"  # a configured connection's attribute: names prepared
 
 
 def configure(conn: psycopg.Connection[Any], *, prepare: bool) -> None:
     """Let batches on `conn` prepare their statements (once per connection) or not."""
     conn.prepare_threshold = None  # see the module's docstring
-    if prepare:
-        _PREPARED[conn] = set()
+    setattr(conn, _PREPARED, set() if prepare else None)
 
 
 class Rows(Protocol):
@@ -66,14 +60,43 @@ class Executor(Protocol):
     def execute(self, query: str, params: Sequence[Any] | None = None) -> Rows: ...
 
 
-def _text_of(query: str) -> bytes:
-    text = _TEXTS.get(query)
-    if text is None:
+class _Statement:
+    """One query's text as sent ($1, $2 ... placeholders), its prepared name, and the parsers
+    of its result columns as last seen."""
+
+    __slots__ = ("columns", "name", "text")
+
+    def __init__(self, query: str) -> None:
         numbers = itertools.count(1)
-        text = _NUMBERED.sub(lambda _: f"${next(numbers)}", query).encode()
-        _TEXTS[query] = text
-        _NAMES[query] = b"dedupworker_" + hashlib.sha1(text).hexdigest()[:16].encode()
-    return text
+        self.text = _NUMBERED.sub(lambda _: f"${next(numbers)}", query).encode()
+        self.name = b"dedupworker_" + hashlib.sha1(self.text).hexdigest()[:16].encode()
+        self.columns: tuple[tuple[int, ...], list[Callable[[bytes], Any]]] = ((), [])
+
+
+_STATEMENTS: dict[str, _Statement] = {}
+
+
+def _statement(query: str) -> _Statement:
+    statement = _STATEMENTS.get(query)
+    if statement is None:
+        statement = _STATEMENTS[query] = _Statement(query)
+    return statement
+
+
+def _bytea_param(value: bytes) -> bytes:
+    return b"\\x" + binascii.hexlify(value)
+
+
+# Parameters by exact type, through C-level callables (bool is not int here); anything else
+# takes `_param`.
+_ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
+    int: b"%d".__mod__,
+    str: str.encode,
+    bool: {True: b"t", False: b"f"}.__getitem__,
+    float: b"%r".__mod__,
+    bytes: _bytea_param,
+    type(None): {}.get,
+}
 
 
 def _param(value: Any) -> bytes | None:
@@ -81,13 +104,22 @@ def _param(value: Any) -> bytes | None:
         return None
     if isinstance(value, bool):
         return b"t" if value else b"f"
-    if isinstance(value, int | float):
-        return repr(value).encode()
+    if isinstance(value, int):
+        return b"%d" % int(value)
+    if isinstance(value, float):
+        return b"%r" % float(value)
     if isinstance(value, str):
-        return value.encode()
+        return str(value).encode()
     if isinstance(value, bytes):
-        return b"\\x" + binascii.hexlify(value)
+        return _bytea_param(bytes(value))
     raise TypeError(f"cannot send a {type(value).__name__} parameter: {value!r}")
+
+
+def _encode(params: Sequence[Any]) -> list[bytes | None]:
+    try:
+        return [_ENCODERS[type(value)](value) for value in params]
+    except KeyError:
+        return [_param(value) for value in params]
 
 
 def _bytea(value: bytes) -> bytes:
@@ -95,15 +127,14 @@ def _bytea(value: bytes) -> bytes:
 
 
 def _json(value: bytes) -> Any:
-    return {} if value == b"{}" else json.loads(value)
+    if value.isdigit():
+        return int(value)
+    return {} if value == b"{}" else _DECODE_JSON(value.decode())
 
 
-def _decode(value: bytes) -> str:
-    return value.decode()
-
-
+_DECODE_JSON = json.JSONDecoder().decode
 _PARSERS: dict[int, Callable[[bytes], Any]] = {
-    16: lambda value: value == b"t",  # bool
+    16: b"t".__eq__,  # bool
     17: _bytea,  # bytea (hex output)
     20: int,  # int8
     21: int,  # int2
@@ -113,6 +144,15 @@ _PARSERS: dict[int, Callable[[bytes], Any]] = {
     114: _json,  # json
     3802: _json,  # jsonb
 }
+
+
+def _parsers(statement: _Statement, res: pq.abc.PGresult) -> list[Callable[[bytes], Any]]:
+    types = tuple(map(res.ftype, range(res.nfields)))
+    known, parsers = statement.columns
+    if types != known:
+        parsers = [_PARSERS.get(oid, bytes.decode) for oid in types]
+        statement.columns = (types, parsers)
+    return parsers
 
 
 class Result:
@@ -125,43 +165,51 @@ class Result:
     __slots__ = ("_rows", "error")
 
     def __init__(self) -> None:
-        self._rows: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._rows: list[tuple[Any, ...]] | None = None
         self.error: Exception | None = None
 
     def fetchone(self) -> tuple[Any, ...] | None:
         if self.error is not None:
             raise self.error
-        return self._rows.popleft() if self._rows else None
+        rows = self._rows
+        return rows.pop(0) if rows else None
 
-    def _fill(self, res: pq.abc.PGresult) -> None:
-        rows = res.ntuples
-        if not rows:
+    def _fill(self, statement: _Statement, res: pq.abc.PGresult) -> None:
+        count = res.ntuples
+        if not count:
             return
-        get = res.get_value
-        parsers = [_PARSERS.get(res.ftype(col), _decode) for col in range(res.nfields)]
-        for row in range(rows):
-            values = []
-            for col, parse in enumerate(parsers):
-                value = get(row, col)
-                values.append(None if value is None else parse(value))
-            self._rows.append(tuple(values))
+        get, columns = res.get_value, range(res.nfields)
+        parsers = _parsers(statement, res)
+        self._rows = [
+            tuple(
+                [
+                    None if value is None else parse(value)
+                    for parse, value in zip(
+                        parsers, map(get, itertools.repeat(row), columns), strict=True
+                    )
+                ]
+            )
+            for row in range(count)
+        ]
 
 
-_Queued = tuple[str, list[bytes | None] | None, Result]
-_TAIL = ("", None, Result())  # queued by `Batch.tail`
+_Queued = tuple[_Statement, list[bytes | None] | None, Result]
 
 
 class Batch:
     """Statements queued with `execute` and sent in one round trip by `run`."""
 
+    __slots__ = ("_queued", "_tail_at", "conn")
+
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
         self._queued: list[_Queued] = []
+        self._tail_at: int | None = None
 
     def execute(self, query: str, params: Sequence[Any] | None = None) -> Result:
         result = Result()
-        values = None if params is None else [_param(value) for value in params]
-        self._queued.append((query, values, result))
+        statement = _STATEMENTS.get(query) or _statement(query)
+        self._queued.append((statement, None if params is None else _encode(params), result))
         return result
 
     def tail(self) -> None:
@@ -171,101 +219,111 @@ class Batch:
         The server still skips everything after a failed statement until the round trip ends
         (the tail's results then raise that error): a tail runs only if the head succeeded.
         """
-        self._queued.append(_TAIL)
+        self._tail_at = len(self._queued)
 
     def run(self) -> None:
         """Send everything queued, wait for all of it; raise the head's first error."""
-        queued, self._queued = self._queued, []
+        queued, tail_at = self._queued, self._tail_at
         if not queued:
             return
-        pgconn = self.conn.pgconn
-        prepared = _PREPARED.get(self.conn)
+        self._queued, self._tail_at = [], None
+        conn = self.conn
+        pgconn = conn.pgconn
+        prepared: set[bytes] | None = getattr(conn, _PREPARED, None)
         pgconn.enter_pipeline_mode()
         try:
-            expected = _send(pgconn, queued, prepared)
-            failure = _receive(pgconn, expected, prepared)
+            preparing = _send(pgconn, queued, prepared)
+            if tail_at is None:
+                failure = _receive(pgconn, queued, prepared, preparing)
+            else:
+                failure = _receive(pgconn, queued[:tail_at], prepared, preparing)
+                tail = queued[tail_at:]
+                in_tail = _receive(pgconn, tail, prepared, preparing)
+                first = failure or in_tail
+                for _, _, result in tail if first is not None else ():
+                    result.error = first
+            res = _next(pgconn)
+            if res is None or res.status != _SYNC:
+                raise psycopg.OperationalError("the server's replies to a pipeline ended early")
         finally:
-            if pgconn.status == pq.ConnStatus.OK:
+            if pgconn.status == _CONN_OK:
                 pgconn.exit_pipeline_mode()
         if failure is not None:
             raise failure
 
 
-def _send(
-    pgconn: pq.abc.PGconn, queued: list[_Queued], prepared: set[bytes] | None
-) -> list[Result | bytes | None]:
-    """Queue every statement (preparing new ones first); returns what each reply is for:
-    a statement's result, a statement name being prepared, or None where the tail begins."""
-    expected: list[Result | bytes | None] = []
-    for entry in queued:
-        if entry is _TAIL:
-            expected.append(None)
-            continue
-        query, values, result = entry
-        text = _text_of(query)
+def _send(pgconn: pq.abc.PGconn, queued: list[_Queued], prepared: set[bytes] | None) -> set[bytes]:
+    """Queue every statement, preparing first the ones this connection has not prepared;
+    returns the names being prepared (their replies come before their statements')."""
+    preparing: set[bytes] = set()
+    send_prepared = pgconn.send_query_prepared
+    for statement, values, _ in queued:
         if values is None or prepared is None:
-            pgconn.send_query_params(text, values)
-        else:
-            name = _NAMES[query]
-            if name not in prepared:
-                pgconn.send_prepare(name, text)
-                expected.append(name)
-            pgconn.send_query_prepared(name, values)
-        expected.append(result)
+            pgconn.send_query_params(statement.text, values)
+            continue
+        name = statement.name
+        if name not in prepared and name not in preparing:
+            pgconn.send_prepare(name, statement.text)
+            preparing.add(name)
+        send_prepared(name, values)
     pgconn.pipeline_sync()
     while pgconn.flush():
         _wait(pgconn, select.POLLIN | select.POLLOUT)
         pgconn.consume_input()
-    return expected
+    return preparing
 
 
 def _receive(
-    pgconn: pq.abc.PGconn, expected: list[Result | bytes | None], prepared: set[bytes] | None
+    pgconn: pq.abc.PGconn,
+    queued: list[_Queued],
+    prepared: set[bytes] | None,
+    preparing: set[bytes],
 ) -> Exception | None:
-    """Read every reply; returns the head's first error, leaves the tail's on its results."""
-    failure: Exception | None = None
-    head: Exception | None = None
-    tail: list[Result] | None = None
-    for target in expected:
-        if target is None:
-            head, tail = failure, []
+    """Read the replies to `queued` (and to the preparing of their statements); returns the
+    first error."""
+    failure = None
+    is_busy, get_result = pgconn.is_busy, pgconn.get_result
+    for statement, _, result in queued:
+        if preparing and statement.name in preparing:
+            preparing.discard(statement.name)
+            error = _prepared(pgconn, prepared, statement.name)
+            failure = failure or error
+        # One reply per statement (PIPELINE_ABORTED for those skipped after an error), then
+        # a None, which never waits: no is_busy before it (each call lets go of the GIL, and
+        # with many threads each letting go costs a thread switch).
+        while is_busy():
+            _wait(pgconn, select.POLLIN)
+            pgconn.consume_input()
+        res = get_result()
+        if res is None:
             continue
-        if tail is not None and isinstance(target, Result):
-            tail.append(target)
-        error = _reply(pgconn, target, prepared)  # skipped after an error: PIPELINE_ABORTED
-        failure = failure or error
-    res = _next(pgconn)
-    if res is None or res.status != _SYNC:
-        raise psycopg.OperationalError("the server's replies to a pipeline ended early")
-    if tail is None:
-        return failure
-    for result in tail if failure is not None else ():
-        result.error = failure
-    return head
+        while get_result() is not None:
+            pass
+        status = res.status
+        if status == _TUPLES:
+            result._fill(statement, res)
+        elif status == _FATAL:
+            failure = failure or _failed(res, prepared)
+    return failure
 
 
-def _reply(
-    pgconn: pq.abc.PGconn, target: Result | bytes, prepared: set[bytes] | None
-) -> Exception | None:
-    """One statement's reply: its rows, its error, or a statement now prepared."""
+def _prepared(pgconn: pq.abc.PGconn, prepared: set[bytes] | None, name: bytes) -> Exception | None:
+    """The reply to preparing `name`, sent by `_send` just before its first use."""
     res = _next(pgconn)
-    if res is None:
-        return None
-    # A statement's replies end with a None, which never waits: no is_busy (it lets go of the
-    # GIL, and with many threads each letting go costs a thread switch).
     while pgconn.get_result() is not None:
         pass
-    status = res.status
-    if status == _TUPLES and isinstance(target, Result):
-        target._fill(res)
-    elif status == _FATAL:
-        failure = errors.error_from_result(res)
-        if prepared is not None and isinstance(failure, errors.InvalidSqlStatementName):
-            prepared.clear()  # dropped behind our back (DEALLOCATE ALL): prepare again
-        return failure
-    elif status == _OK and isinstance(target, bytes) and prepared is not None:
-        prepared.add(target)
-    return None
+    if res is None:
+        return None
+    if res.status == _OK and prepared is not None:
+        prepared.add(name)
+    return _failed(res, prepared) if res.status == _FATAL else None
+
+
+def _failed(res: pq.abc.PGresult, prepared: set[bytes] | None) -> Exception:
+    failure = errors.error_from_result(res)
+    if prepared is not None and isinstance(failure, errors.InvalidSqlStatementName):
+        prepared.clear()  # dropped behind our back (DEALLOCATE ALL): prepare again
+    return failure
 
 
 def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:

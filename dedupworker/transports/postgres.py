@@ -44,10 +44,9 @@ class PostgresTransport:
         raise TypeError("the postgres queue claims inside the runner's transaction: see claim()")
 
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
-        """Queue the start of a message's transaction: BEGIN and the claim of one job, which
-        tries the lock of the entity given at enqueue with the handler's `lock` (namespace, key
-        mode), and with `skip` passes over jobs whose given entity is locked, if it can."""
-        batch.execute("BEGIN")
+        """Queue the claim of one job in the transaction the runner opened; it tries the lock
+        of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
+        with `skip` passes over jobs whose given entity is locked, if it can."""
         namespace, mode = lock
         namespaces = (namespace, namespace) if mode == "int4" else (namespace,)  # see the SQL
         if skip:
@@ -63,7 +62,7 @@ class PostgresTransport:
         message = Message(
             id=str(job_id),
             body=body,
-            headers={str(k): str(v) for k, v in (headers or {}).items()},
+            headers={str(k): str(v) for k, v in headers.items()} if headers else {},
             attempt=attempts + 1,
             transport=self.name,
         )
