@@ -115,13 +115,6 @@ def _param(value: Any) -> bytes | None:
     raise TypeError(f"cannot send a {type(value).__name__} parameter: {value!r}")
 
 
-def _encode(params: Sequence[Any]) -> list[bytes | None]:
-    try:
-        return [_ENCODERS[type(value)](value) for value in params]
-    except KeyError:
-        return [_param(value) for value in params]
-
-
 def _bytea(value: bytes) -> bytes:
     return binascii.unhexlify(value[2:])
 
@@ -162,11 +155,10 @@ class Result:
     error, raises that error from `fetchone`.
     """
 
-    __slots__ = ("_rows", "error")
-
-    def __init__(self) -> None:
-        self._rows: list[tuple[Any, ...]] | None = None
-        self.error: Exception | None = None
+    # Class-level defaults, no __init__: most results are never read (BEGIN, COMMIT ...),
+    # and one is made per statement.
+    _rows: list[tuple[Any, ...]] | None = None
+    error: Exception | None = None
 
     def fetchone(self) -> tuple[Any, ...] | None:
         if self.error is not None:
@@ -209,7 +201,14 @@ class Batch:
     def execute(self, query: str, params: Sequence[Any] | None = None) -> Result:
         result = Result()
         statement = _STATEMENTS.get(query) or _statement(query)
-        self._queued.append((statement, None if params is None else _encode(params), result))
+        if params is None:
+            self._queued.append((statement, None, result))
+            return result
+        try:
+            values = [_ENCODERS[type(value)](value) for value in params]
+        except KeyError:
+            values = [_param(value) for value in params]
+        self._queued.append((statement, values, result))
         return result
 
     def tail(self) -> None:
