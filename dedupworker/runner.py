@@ -1,11 +1,12 @@
 """Process one message: lock the entity, run the handler, decide, settle.
 
-Round trips per message on the postgres queue: BEGIN + claim, lock + SAVEPOINT, the handler's
-own, RELEASE + settle + COMMIT, each a `dedupworker.wire.Batch` (libpq pipeline, prepared
-statements). Pool connections are in autocommit mode and the runner sends BEGIN and COMMIT
-itself. The handler runs between batches, inside the explicit transaction, on the psycopg
-connection: its `conn.transaction()` blocks are nested savepoints and its statements join the
-transaction.
+Round trips per message on the postgres queue: BEGIN + claim + SAVEPOINT, lock (unless the
+claim took the entity's lock given at enqueue), the handler's own, RELEASE + settle + COMMIT,
+each a `dedupworker.wire.Batch` (libpq pipeline, prepared statements); a thread's next claim
+rides on its last COMMIT (`COMMIT AND CHAIN`, which also opens the next transaction). Pool
+connections are in autocommit mode and the runner sends BEGIN and COMMIT itself. The handler
+runs between batches, inside the explicit transaction, on the psycopg connection: its
+`conn.transaction()` blocks are nested savepoints and its statements join the transaction.
 """
 
 from __future__ import annotations

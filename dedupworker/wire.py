@@ -1,7 +1,7 @@
 """The runner's own statements, several per round trip, straight through libpq.
 
 psycopg's cursors cost far more client CPU per statement than the database spends on these
-short statements (pipeline mode more still), and a worker runs seven of them per message. Here
+short statements (pipeline mode more still), and a worker runs five to seven per message. Here
 they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipeline mode:
 
 - parameters are always bound ($1, $2 ...), never interpolated into the SQL;
@@ -12,9 +12,14 @@ they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipe
   off: psycopg answers any ROLLBACK on a connection where it prepared something with
   DEALLOCATE ALL, which would drop these statements too (if something else drops them anyway,
   the batch fails once, its transaction rolls back, and the next batch prepares again);
-- results come back as text and are parsed by column type (ints, floats, bools, bytea, json);
+- results come back as text and are parsed by column type (ints, floats, bools, bytea, json),
+  with the parsers of each statement's columns kept with the statement;
 - `Batch.tail` lets the statements queued after it fail on their own: the runner sends one
-  message's COMMIT and the next message's BEGIN + claim in one round trip.
+  message's COMMIT AND CHAIN and the next message's claim in one round trip.
+
+Per message this is the worker's hottest code, so it is written for the interpreter: parameters
+are encoded by C-level callables chosen by exact type, a `Result` has no `__init__`, and every
+libpq call that lets go of the GIL (sends, `is_busy`) happens once per statement, no more.
 
 `Batch.execute` has the shape of `psycopg.Connection.execute`, so transports settle through a
 batch or a connection alike. Everything a handler does still goes through psycopg.
