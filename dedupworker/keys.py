@@ -41,9 +41,6 @@ class LockKey:
     sql: str
     params: tuple[int | str, ...]
 
-    def describe(self) -> str:
-        return f"{self.namespace}:{self.entity}"
-
 
 def fits_int4(value: int) -> bool:
     return INT4_MIN <= value <= INT4_MAX

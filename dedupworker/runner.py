@@ -134,11 +134,10 @@ class Runner:
     def _step_in_transaction(self, claiming: ClaimsInTransaction, ahead: bool) -> bool:
         # Claim, lock, handler and settlement commit together: a crash anywhere rolls the
         # claim back and the job is simply there again.
-        held: _Ahead | None = self._held.claim
+        held = self._take_held()
         if held is None:
             conn, claim, chain = self.pool.getconn(), None, 0
         else:
-            self._held.claim = None
             conn, claim, chain = held
         try:
             delivery = self._delivery(claiming, conn, claim)
@@ -293,20 +292,9 @@ class Runner:
         """Lock `key` (None: the claim holds the lock already), check the ledger, call."""
         handler, message = self.handler, delivery.message
         if key is not None or dedup_key is not None:
-            batch = Batch(conn)  # lock and ledger check, as far as needed: one round trip
-            locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
-            # A plain read: it never waits, and under the lock it sees every committed call
-            # for this entity.
-            seen = (
-                None
-                if dedup_key is None
-                else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
-            )
-            batch.run()
-            if locked is not None and not fetch_flag(locked):
-                return on_contended(handler, delivery), savepoint
-            if seen is not None and fetch_flag(seen):
-                return DUPLICATE, savepoint
+            stopped = self._lock_and_look_up(delivery, conn, key, dedup_key, savepoint)
+            if stopped is not None:
+                return stopped, savepoint
         try:
             if not handler.may_run(message, conn):
                 return on_contended(handler, delivery), savepoint
@@ -318,6 +306,30 @@ class Runner:
             still_open = conn.pgconn.transaction_status in _OPEN
             return on_failure(handler, delivery, exc), savepoint and still_open
         return on_success(dedup_key), savepoint
+
+    def _lock_and_look_up(
+        self,
+        delivery: Delivery,
+        conn: psycopg.Connection[Any],
+        key: LockKey | None,
+        dedup_key: str | None,
+        savepoint: bool,
+    ) -> Verdict | None:
+        """Lock `key` and check the ledger for `dedup_key`, as far as given, in one round trip;
+        the verdict when the message must not run (contended, duplicate), else None."""
+        batch = Batch(conn)
+        locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
+        # A plain read: it never waits, and under the lock it sees every committed call for
+        # this entity.
+        seen = (
+            None if dedup_key is None else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
+        )
+        batch.run()
+        if locked is not None and not fetch_flag(locked):
+            return on_contended(self.handler, delivery)
+        if seen is not None and fetch_flag(seen):
+            return DUPLICATE
+        return None
 
     def _queue_lock(
         self, batch: Batch, conn: psycopg.Connection[Any], key: LockKey, savepoint: bool

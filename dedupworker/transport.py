@@ -79,10 +79,10 @@ class ClaimsInTransaction(Protocol):
 
     The runner opens the transaction (BEGIN, or a message's COMMIT AND CHAIN) and queues
     `claim` after it, in the same round trip, so that the next message's transaction begins
-    with no round trip of its own. With `lock` (the handler's
-    namespace and key mode) the claim tries the lock of an entity given at enqueue
-    (`Delivery.given_entity`, `Delivery.given_locked`), and with `skip` it may pass over jobs
-    whose given entity is locked; finding nothing then proves nothing.
+    with no round trip of its own. With `lock` (the handler's namespace and key mode) the claim
+    tries the lock of an entity given at enqueue (`Delivery.given_entity`,
+    `Delivery.given_locked`), and with `skip` it may pass over jobs whose given entity is
+    locked; finding nothing then proves nothing.
     """
 
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows: ...

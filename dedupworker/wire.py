@@ -18,8 +18,9 @@ they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipe
   message's COMMIT AND CHAIN and the next message's claim in one round trip.
 
 Per message this is the worker's hottest code, so it is written for the interpreter: parameters
-are encoded by C-level callables chosen by exact type, a `Result` has no `__init__`, and every
-libpq call that lets go of the GIL (sends, `is_busy`) happens once per statement, no more.
+are encoded by C-level callables chosen by exact type, a `Result` has no `__init__`, and the
+libpq calls that let go of the GIL (each send, `is_busy`) are made once per statement, plus
+`is_busy` again only while a reply is still on its way.
 
 `Batch.execute` has the shape of `psycopg.Connection.execute`, so transports settle through a
 batch or a connection alike. Everything a handler does still goes through psycopg.
@@ -82,9 +83,8 @@ _STATEMENTS: dict[str, _Statement] = {}
 
 
 def _statement(query: str) -> _Statement:
-    statement = _STATEMENTS.get(query)
-    if statement is None:
-        statement = _STATEMENTS[query] = _Statement(query)
+    """A query seen for the first time (`Batch.execute` looks it up in _STATEMENTS first)."""
+    statement = _STATEMENTS[query] = _Statement(query)
     return statement
 
 
@@ -92,8 +92,8 @@ def _bytea_param(value: bytes) -> bytes:
     return b"\\x" + binascii.hexlify(value)
 
 
-# Parameters by exact type, through C-level callables (bool is not int here); anything else
-# takes `_param`.
+# Parameters by exact type, through C-level callables (bool is not int here); subclasses take
+# `_param`.
 _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
     int: b"%d".__mod__,
     str: str.encode,
@@ -104,19 +104,14 @@ _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
 }
 
 
+_BASES: tuple[type[Any], ...] = (bool, int, float, str, bytes)  # bool first: it is an int too
+
+
 def _param(value: Any) -> bytes | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return b"t" if value else b"f"
-    if isinstance(value, int):
-        return b"%d" % int(value)
-    if isinstance(value, float):
-        return b"%r" % float(value)
-    if isinstance(value, str):
-        return str(value).encode()
-    if isinstance(value, bytes):
-        return _bytea_param(bytes(value))
+    """A parameter of a subclass (an IntEnum, a str subclass ...): encoded as its base type."""
+    for base in _BASES:
+        if isinstance(value, base):
+            return _ENCODERS[base](base(value))  # e.g. a float subclass's repr may not be SQL
     raise TypeError(f"cannot send a {type(value).__name__} parameter: {value!r}")
 
 

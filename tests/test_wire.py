@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import psycopg
@@ -115,6 +116,45 @@ def test_a_dead_connection_raises_operational_error(prepared: psycopg.Connection
     with pytest.raises(psycopg.OperationalError):
         batch.run()
     assert prepared.broken or prepared.pgconn.status != psycopg.pq.ConnStatus.OK
+
+
+def test_a_new_statement_queued_twice_in_one_batch_is_prepared_once(
+    prepared: psycopg.Connection[Any],
+) -> None:
+    batch = Batch(prepared)
+    first = batch.execute("SELECT %s::int4 * 3", (2,))
+    second = batch.execute("SELECT %s::int4 * 3", (5,))
+    batch.run()
+    assert (first.fetchone(), second.fetchone()) == ((6,), (15,))
+    names = prepared.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+    assert names == (1,)
+
+
+class Colour(enum.IntEnum):
+    RED = 7
+
+
+class Tag(str):
+    pass
+
+
+class Ratio(float):
+    def __repr__(self) -> str:
+        return "Ratio(...)"  # not SQL: the float's own text must be sent
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_parameters_of_subclasses_go_as_their_base_type(
+    conn: psycopg.Connection[Any], prepare: bool
+) -> None:
+    wire.configure(conn, prepare=prepare)
+    batch = Batch(conn)
+    echoed = batch.execute(
+        "SELECT %s::int4, %s::text, %s::float8, %s::bool",
+        (Colour.RED, Tag("x'y"), Ratio(0.5), False),
+    )
+    batch.run()
+    assert echoed.fetchone() == (7, "x'y", 0.5, False)
 
 
 def test_unsupported_parameter_types_are_refused_before_sending(
