@@ -26,7 +26,7 @@ from dedupworker import (
 )
 from dedupworker.db import open_pool
 from dedupworker.errors import SchemaMissing
-from dedupworker.keys import InvalidEntity
+from dedupworker.keys import InvalidEntity, lock_key
 from dedupworker.runner import Runner
 from dedupworker.schema import MIGRATIONS
 from dedupworker.transports.postgres import PostgresTransport
@@ -292,6 +292,47 @@ def test_an_entity_given_at_enqueue_is_stored_and_locked_in_the_claim(
     assert runner.step(ahead=True) is True
     runner.release()
     assert (calls(conn), runner.stats) == (2, {"succeeded": 2})
+
+
+class Holding(Scripted):
+    """Holds its message until told to go; waits long for a turn, if it ever takes one."""
+
+    local_wait = 30.0
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        super().handle(message, conn)
+        self.started.set()
+        assert self.go.wait(30)
+
+
+def test_a_claim_holding_its_given_entity_takes_no_local_turn(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    handler = Holding()
+    enqueue(conn, "q", [{"entity": 7}], entity=handler.entity_id)
+    enqueue(conn, "q", [{"entity": 7}])  # the same entity, not given
+    pool = open_pool(dsn, 2, 10)
+    transport = PostgresTransport(WorkerConfig(dsn=dsn, queue="q"), pool)
+    runner = Runner(handler, transport, pool)
+    first = threading.Thread(target=runner.step)
+    try:
+        first.start()
+        assert handler.started.wait(30)
+        # The claim took entity 7's lock; no turn marks it busy here, so the second job meets
+        # the database lock and is contended at once instead of waiting its turn.
+        key = lock_key(30, 7)
+        assert not runner.turns.busy((key.sql, key.params))
+        assert runner.step() is True
+        assert runner.stats == {"contended": 1}
+    finally:
+        handler.go.set()
+        first.join(30)
+        transport.close()
+        pool.close()
+    assert runner.stats == {"contended": 1, "succeeded": 1}
 
 
 def test_a_given_entity_locked_elsewhere_is_contended_without_calling(
