@@ -1,12 +1,13 @@
 """Process one message: lock the entity, run the handler, decide, settle.
 
-Round trips per message on the postgres queue: BEGIN + claim + SAVEPOINT, lock (unless the
-claim took the entity's lock given at enqueue), the handler's own, RELEASE + settle + COMMIT,
-each a `dedupworker.wire.Batch` (libpq pipeline, prepared statements); a thread's next claim
-rides on its last COMMIT (`COMMIT AND CHAIN`, which also opens the next transaction). Pool
-connections are in autocommit mode and the runner sends BEGIN and COMMIT itself. The handler
-runs between batches, inside the explicit transaction, on the psycopg connection: its
-`conn.transaction()` blocks are nested savepoints and its statements join the transaction.
+Round trips per message on the postgres queue: BEGIN + claim (+ SAVEPOINT), lock + SAVEPOINT
+(unless the claim took the entity's lock given at enqueue), the handler's own, RELEASE + settle
++ COMMIT, each a `dedupworker.wire.Batch` (libpq pipeline, prepared statements); a thread's
+next claim rides on its last COMMIT (`COMMIT AND CHAIN`, which also opens the next
+transaction). Pool connections are in autocommit mode and the runner sends BEGIN and COMMIT
+itself. The handler runs between batches, inside the explicit transaction, on the psycopg
+connection: its `conn.transaction()` blocks are nested savepoints and its statements join the
+transaction.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ CROWDED_FOR = 5.0
 class _Claim(NamedTuple):
     rows: Rows
     skipping: bool  # it passed over locked entities: finding nothing proves nothing
+    savepoint: bool  # it opened the handler's savepoint (see _claim)
 
 
 class _Ahead(NamedTuple):
@@ -93,6 +95,7 @@ class Runner:
         self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
         self._held = _Held()  # per thread, a claim made ahead (see step)
         self._crowded_until = 0.0  # see _claim
+        self._savepoint_ahead = True  # see _claim
         self._scope = handler.ledger_scope
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
@@ -140,13 +143,13 @@ class Runner:
         else:
             conn, claim, chain = held
         try:
-            delivery = self._delivery(claiming, conn, claim)
+            delivery, claim = self._delivery(claiming, conn, claim)
             if delivery is None:
                 conn.execute("ROLLBACK")
                 self.pool.putconn(conn)
                 return False
             try:
-                verdict, in_savepoint, started = self._process(delivery, conn, savepoint=True)
+                verdict, in_savepoint, started = self._process(delivery, conn, claim.savepoint)
                 ahead = ahead and chain < AHEAD_CHAIN
                 next_claim = self._settle(claiming, delivery, (verdict, in_savepoint), conn, ahead)
             finally:
@@ -163,8 +166,8 @@ class Runner:
 
     def _delivery(
         self, claiming: ClaimsInTransaction, conn: psycopg.Connection[Any], claim: _Claim | None
-    ) -> Delivery | None:
-        """The message of the claim made ahead, or of a claim made now."""
+    ) -> tuple[Delivery | None, _Claim]:
+        """The message of the claim made ahead, or of a claim made now, and that claim."""
         if claim is None:
             claim = self._start(claiming, conn)
         delivery = claiming.delivery(claim.rows)
@@ -172,7 +175,7 @@ class Runner:
             # The jobs it passed over may be all there is: claim again, passing none.
             claim = self._start(claiming, conn, skip=False, rollback=True)
             delivery = claiming.delivery(claim.rows)
-        return delivery
+        return delivery, claim
 
     def _settle(
         self,
@@ -250,11 +253,12 @@ class Runner:
     ) -> tuple[Verdict, bool]:
         """Take the entity lock unless the claim took it, run the handler, decide.
 
-        `savepoint`: the message's claim opened the handler's savepoint (the postgres queue,
-        see `_claim`); without it there is no savepoint (nothing but the handler's writes is in
-        the transaction). Returns the verdict and whether the savepoint is still open for the
-        caller to end. The entity's turn among this process's threads is left in
-        `delivery.turn` for the caller to give back after its COMMIT.
+        `savepoint`: the message's claim opened the handler's savepoint (see `_claim`). On the
+        postgres queue the handler always runs in that savepoint (opened here if the claim did
+        not); elsewhere there is none (nothing but the handler's writes is in the transaction).
+        Returns the verdict and whether the savepoint is still open for the caller to end. The
+        entity's turn among this process's threads is left in `delivery.turn` for the caller
+        to give back after its COMMIT.
         """
         handler, message = self.handler, delivery.message
         try:
@@ -264,6 +268,8 @@ class Runner:
             return on_bad_entity(exc), savepoint
         delivery.entity = entity
         given = _given_lock(delivery, entity)
+        # Claims open the savepoint while messages come with their entity given (see _claim).
+        self._savepoint_ahead = given is not None
         if given:
             # The claim took the entity's lock: no thread of ours, no other worker holds it.
             return self._locked_call(delivery, conn, None, dedup_key, savepoint)
@@ -289,10 +295,13 @@ class Runner:
         dedup_key: str | None,
         savepoint: bool,
     ) -> tuple[Verdict, bool]:
-        """Lock `key` (None: the claim holds the lock already), check the ledger, call."""
+        """Lock `key` (None: the claim holds the lock already), open the handler's savepoint
+        if the claim did not, check the ledger, call."""
         handler, message = self.handler, delivery.message
-        if key is not None or dedup_key is not None:
+        opening = not savepoint and self._claiming is not None
+        if key is not None or dedup_key is not None or opening:
             stopped = self._lock_and_look_up(delivery, conn, key, dedup_key, savepoint)
+            savepoint = savepoint or self._claiming is not None
             if stopped is not None:
                 return stopped, savepoint
         try:
@@ -315,10 +324,15 @@ class Runner:
         dedup_key: str | None,
         savepoint: bool,
     ) -> Verdict | None:
-        """Lock `key` and check the ledger for `dedup_key`, as far as given, in one round trip;
-        the verdict when the message must not run (contended, duplicate), else None."""
+        """Lock `key`, open the handler's savepoint and check the ledger for `dedup_key`, as far
+        as needed, in one round trip; the verdict when the message must not run (contended,
+        duplicate), else None."""
         batch = Batch(conn)
-        locked = None if key is None else self._queue_lock(batch, conn, key, savepoint)
+        locked = None
+        if key is not None:
+            locked = self._queue_lock(batch, conn, key, savepoint)
+        elif not savepoint and self._claiming is not None:
+            batch.execute(SAVEPOINT)  # the claim took the lock, without the savepoint
         # A plain read: it never waits, and under the lock it sees every committed call for
         # this entity.
         seen = (
@@ -334,13 +348,14 @@ class Runner:
     def _queue_lock(
         self, batch: Batch, conn: psycopg.Connection[Any], key: LockKey, savepoint: bool
     ) -> Rows:
+        in_transaction = self._claiming is not None  # the claim opened it, and the timeout
         if savepoint:
             # Locked outside the savepoint: rolling the savepoint back must not release it.
             batch.execute(RELEASE_SAVEPOINT)
-        elif conn.info.transaction_status == TransactionStatus.IDLE:
+        elif not in_transaction and conn.info.transaction_status == TransactionStatus.IDLE:
             batch.execute("BEGIN")
         locked = batch.execute(key.sql, key.params)
-        if savepoint:
+        if in_transaction:
             batch.execute(SAVEPOINT)
         elif self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
@@ -366,6 +381,11 @@ class Runner:
         and its savepoint: the whole start of a message in the claim's round trip, right after
         the statement that opens its transaction (BEGIN, or the last one's COMMIT AND CHAIN).
 
+        The savepoint only while the last message came with its entity given (its claim took
+        the lock, so the handler could run at once): otherwise the lock has a round trip of its
+        own, which opens the savepoint after the lock (see _queue_lock), and a savepoint opened
+        here would only be released there.
+
         For CROWDED_FOR seconds after a message met its entity locked, the claim passes over
         jobs whose given entity is locked (see sql.CLAIM_SKIPPING); otherwise it takes the
         oldest job, as the cheaper statement.
@@ -374,8 +394,10 @@ class Runner:
         rows = claiming.claim(batch, self._lock, skipping)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
-        batch.execute(SAVEPOINT)  # after the claim's lock (see _queue_lock)
-        return _Claim(rows, skipping)
+        savepoint = self._savepoint_ahead
+        if savepoint:
+            batch.execute(SAVEPOINT)  # after the claim's lock (see _queue_lock)
+        return _Claim(rows, skipping, savepoint)
 
     def _observe(self, delivery: Delivery, verdict: Verdict, elapsed: float) -> None:
         counter, histogram = self._counted[verdict.outcome]

@@ -294,6 +294,25 @@ def test_an_entity_given_at_enqueue_is_stored_and_locked_in_the_claim(
     assert (calls(conn), runner.stats) == (2, {"succeeded": 2})
 
 
+def test_jobs_with_and_without_their_entity_given_each_roll_back_only_the_handler(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    # Claims open the handler's savepoint only while jobs come with their entity given: every
+    # switch between the two kinds must still run each handler in a savepoint of its own.
+    kinds = ["plain", "given", "given", "plain", "plain", "given"]
+    actions = ["ok", "fail", "ok", "fail", "ok", "fail"]
+    for kind, action in zip(kinds, actions, strict=True):
+        entity = Scripted().entity_id if kind == "given" else None
+        enqueue(conn, "q", [{"entity": len(given(conn)) + 1, "do": action}], entity=entity)
+    for _ in kinds:
+        assert runner.step(ahead=True) is True
+    runner.release()
+    assert calls(conn) == 3  # the failed handlers' inserts were rolled back, the rest kept
+    rows = conn.execute("SELECT attempts, last_error FROM dedupworker.jobs ORDER BY id")
+    assert rows.fetchall() == [(1, "RuntimeError: handler broke")] * 3
+    assert runner.stats == {"succeeded": 3, "retried": 3}
+
+
 class Holding(Scripted):
     """Holds its message until told to go; waits long for a turn, if it ever takes one."""
 
