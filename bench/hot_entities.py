@@ -76,6 +76,7 @@ def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
                     str(per_process),
                     "--stats-file",
                     str(path),
+                    *(() if args.cpu is None else ("--cpu", str(args.cpu))),
                 ],
                 cwd=REPO,
             )
@@ -98,6 +99,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads in all")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument(
+        "--cpu", type=int, help="run each worker with --cpu CPU (all its threads on that CPU)"
+    )
     parser.add_argument(
         "--no-entity",
         dest="given",

@@ -127,6 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dsn", help="use this database instead of a private PostgreSQL")
     parser.add_argument(
+        "--cpu", type=int, help="run the worker with --cpu CPU (all its threads on that CPU)"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all levels; tables show the median"
     )
     args = parser.parse_args(argv)
@@ -263,8 +266,8 @@ def run_dedupworker(
     )
 
 
-def run_idle_worker(dsn: str, queue: str, concurrency: int) -> WorkerMeasure:
-    wall, cpu, stats = spawn_worker(dsn, queue, concurrency)
+def run_idle_worker(dsn: str, queue: str, concurrency: int, *extra: str) -> WorkerMeasure:
+    wall, cpu, stats = spawn_worker(dsn, queue, concurrency, *extra)
     return WorkerMeasure(1, wall, cpu, stats["elapsed_seconds"], wall)
 
 
@@ -345,13 +348,20 @@ def run_pgbench(pgbench: str, dsn: str, queue: str, concurrency: int, per_client
 
 
 def run_level(
-    conn: psycopg.Connection[Any], dsn: str, queue: str, messages: int, concurrency: int
+    conn: psycopg.Connection[Any],
+    dsn: str,
+    queue: str,
+    messages: int,
+    concurrency: int,
+    *extra: str,
 ) -> Row:
-    """The three scenarios at one concurrency, each on a freshly filled queue."""
-    idle = run_idle_worker(dsn, queue, concurrency)
-    worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency)
+    """The three scenarios at one concurrency, each on a freshly filled queue; `extra`: the
+    worker's own options."""
+    idle = run_idle_worker(dsn, queue, concurrency, *extra)
+    worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency, *extra)
     require_empty(conn, queue, "dedupworker")
-    given = run_dedupworker(dsn, queue, refill(conn, queue, messages, given=True), concurrency)
+    ids = refill(conn, queue, messages, given=True)
+    given = run_dedupworker(dsn, queue, ids, concurrency, *extra)
     require_empty(conn, queue, "dedupworker, entities given")
     refill(conn, queue, messages)
     plain = run_plain(dsn, queue, concurrency)
@@ -376,12 +386,13 @@ def run_level(
 def run_all(dsn: str, args: argparse.Namespace) -> tuple[list[str], list[list[Row]]]:
     """`rounds` sweeps; each sweep runs A, B, C at one concurrency before the next one."""
     queue = f"bench_{os.getpid()}"
+    extra = () if args.cpu is None else ("--cpu", str(args.cpu))
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         header = machine(conn)
         try:
             rounds = [
-                [run_level(conn, dsn, queue, args.messages, c) for c in args.concurrency]
+                [run_level(conn, dsn, queue, args.messages, c, *extra) for c in args.concurrency]
                 for _ in range(args.rounds)
             ]
         finally:

@@ -146,6 +146,13 @@ def _add_run(sub: Any) -> None:
     add_option(p, "--stats-file", help="write the final outcome counts as JSON here on exit")
     add_option(
         p,
+        "--cpu",
+        type=int,
+        help="Linux: run all of the worker's threads on this one CPU (GIL hand-offs between "
+        "handler threads stay on one core; see docs/tuning.md)",
+    )
+    add_option(
+        p,
         "--ledger-retention",
         type=float,
         default=7 * 86400.0,
@@ -289,6 +296,7 @@ def _config(args: argparse.Namespace) -> Any:
         bootstrap_servers=args.bootstrap_servers,
         group_id=args.group_id,
         kafka_options=_merge_pairs(args.kafka_options),
+        cpu=args.cpu,
     )
 
 

@@ -46,6 +46,8 @@ class WorkerConfig:
     bootstrap_servers: str | None = None
     group_id: str | None = None
     kafka_options: dict[str, str] = field(default_factory=dict)
+    # Linux: run every thread of the worker on this one CPU (checked by affinity.pin_process).
+    cpu: int | None = None
 
     def __post_init__(self) -> None:
         if not self.dsn:

@@ -21,6 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from . import metrics
 from ._version import __version__
+from .affinity import pin_process
 from .config import WorkerConfig
 from .db import behind_pooler, connect, describe_dsn, open_pool
 from .errors import ConfigurationError
@@ -132,6 +133,8 @@ class Worker:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or until drained with --drain); returns the exit code."""
+        if self.config.cpu is not None:
+            pin_process(self.config.cpu)  # first: every thread started below inherits it
         self.setup()
         if self.config.metrics_port is not None:
             self.http = serve(

@@ -132,3 +132,17 @@ class HangsOnce(Handler):
                 "INSERT INTO test_calls VALUES (%s, %s, %s, %s, clock_timestamp(), %s)",
                 (message.id, body["hang"], bool(first), started[0] if started else None, outcome),
             )
+
+
+class AffinityProbe(Handler):
+    """Writes the CPUs its handler thread may run on to the file the message names."""
+
+    lock_namespace = 46
+
+    def entity_id(self, message: Message) -> int | str:
+        return 1
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        with open(message.json()["path"], "w") as out:
+            out.write(",".join(map(str, cpus)))
