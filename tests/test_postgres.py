@@ -354,14 +354,20 @@ def test_a_claim_holding_its_given_entity_takes_no_local_turn(
     assert runner.stats == {"contended": 1, "succeeded": 1}
 
 
+@pytest.mark.parametrize("after_plain", [False, True])
 def test_a_given_entity_locked_elsewhere_is_contended_without_calling(
-    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str, after_plain: bool
 ) -> None:
+    # After a job enqueued plainly, the claim of the next one opens no savepoint.
+    plain = [{"entity": 1}] if after_plain else []
+    enqueue(conn, "q", plain)
     enqueue(conn, "q", [{"entity": "inv-9"}], entity=Scripted().entity_id)
     with psycopg.connect(dsn) as other:
         other.execute("SELECT pg_advisory_xact_lock(30, hashtext('inv-9'))")
-        assert runner.step() is True
-    assert calls(conn) == 0
+        for _ in range(len(plain) + 1):
+            assert runner.step(ahead=True) is True
+        runner.release()
+    assert calls(conn) == len(plain)
     assert job(conn)["contentions"] == 1
 
 
