@@ -4,7 +4,7 @@ A worker's handler threads take turns on the GIL, and every libpq call that lets
 (each statement sent, each wait for a reply) can hand it to another thread. When that thread
 sleeps on another CPU, the hand-off wakes that CPU and moves the GIL across cores; on one CPU
 the releasing thread usually takes the GIL back before the woken one runs, and the hand-off
-costs nearly nothing. Measured in bench/README.md: a quarter less client CPU per message.
+costs nearly nothing. Measured in bench/README.md: 25-45 % less worker CPU per message.
 The price: code that runs outside the GIL (numpy, compression, hashing in C) no longer spreads
 over several cores, so this is for handlers that are mostly Python and I/O.
 """
