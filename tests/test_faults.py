@@ -152,17 +152,29 @@ def assert_clean(report: Report) -> None:
     assert report.unexpected_dead == 0, report
 
 
+def handlers_running(dsn: str, stop: threading.Event) -> bool:
+    """Wait until a worker has started a handler call: False if the run ended first. Faults
+    timed from the start would miss a run that drains before they come."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.wait(0.02):
+            if conn.execute("SELECT EXISTS (SELECT 1 FROM check_calls)").fetchone() == (True,):
+                return True
+    return False
+
+
 def test_workers_killed_mid_handler(dsn: str) -> None:
     run = Run(dsn, dsn)
     rng = random.Random(1)
 
     def kill_some(stop: threading.Event) -> None:
-        while not stop.wait(0.4) and run.killed < 6:
+        running = handlers_running(dsn, stop)
+        while running and run.killed < 6:
             alive = run.alive()
             if alive:
                 rng.choice(alive).kill()
                 run.killed += 1
                 run.spawn()
+            running = not stop.wait(0.4)
 
     report = run_with(dsn, kill_some, run=run)
     assert_clean(report)
@@ -174,7 +186,7 @@ def test_connections_terminated_mid_handler(dsn: str) -> None:
 
     def terminate(stop: threading.Event) -> None:
         with psycopg.connect(dsn, autocommit=True) as admin:
-            while not stop.wait(0.2):
+            while not stop.wait(0.05):
                 rows = admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE application_name LIKE 'dedupworker:%%'"
@@ -187,11 +199,15 @@ def test_connections_terminated_mid_handler(dsn: str) -> None:
 
 
 def test_postgresql_restarted_while_workers_run(dsn: str, pg_server: Any) -> None:
+    restarts = []
+
     def restart(stop: threading.Event) -> None:
-        if not stop.wait(1.0):
+        if handlers_running(dsn, stop):
             pg_server.restart()
+            restarts.append(time.monotonic())
 
     assert_clean(run_with(dsn, restart))
+    assert restarts
 
 
 def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any) -> None:
@@ -199,11 +215,13 @@ def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any) -> N
     cuts = []
 
     def cut(stop: threading.Event) -> None:
-        while not stop.wait(1.0) and len(cuts) < 2:
+        running = handlers_running(dsn, stop)
+        while running and len(cuts) < 2:
             proxy.cut()
             cuts.append(time.monotonic())
             stop.wait(1.5)
             proxy.restore()
+            running = not stop.wait(1.0)
 
     try:
         through = dsn.replace(f":{pg_server.port}/", f":{proxy.port}/")
