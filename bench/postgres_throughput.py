@@ -4,11 +4,11 @@ All three run the same transaction per message on the same queue table: claim on
 (FOR UPDATE SKIP LOCKED), pg_try_advisory_xact_lock(77, entity), SAVEPOINT, RELEASE, DELETE the
 job, COMMIT. Round trips per message differ:
 
-A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process, twice. Over
-   jobs enqueued plainly: two round trips, [lock; SAVEPOINT] and [RELEASE; DELETE; COMMIT; BEGIN;
-   claim the next job]. Over jobs enqueued with their entity (`entity=` of enqueue), the claim
-   takes the entity lock too: one round trip, [RELEASE; DELETE; COMMIT; BEGIN; claim + lock;
-   SAVEPOINT].
+A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process (or
+   `--processes P` of them, C / P threads each), twice. Over jobs enqueued plainly: two round
+   trips, [lock; SAVEPOINT] and [RELEASE; DELETE; COMMIT AND CHAIN; claim the next job]. Over
+   jobs enqueued with their entity (`entity=` of enqueue), the claim takes the entity lock too:
+   one round trip, [RELEASE; DELETE; COMMIT AND CHAIN; claim + lock; SAVEPOINT].
 B. plain psycopg: C threads, one autocommit connection each, the same statements in a loop in
    three pipelines through psycopg's pipeline API, [BEGIN; claim] [lock; SAVEPOINT] [RELEASE;
    DELETE; COMMIT] (the runner sends its own through libpq directly, see dedupworker.wire).
@@ -22,7 +22,9 @@ Run from the repository root:  python bench/postgres_throughput.py --messages 20
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import os
 import platform
 import re
@@ -127,7 +129,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dsn", help="use this database instead of a private PostgreSQL")
     parser.add_argument(
-        "--cpu", type=int, help="run the worker with --cpu CPU (all its threads on that CPU)"
+        "--cpu",
+        type=int,
+        help="run the worker with --cpu CPU (all its threads on that CPU; with --processes, "
+        "the next processes on the next CPUs)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="worker processes sharing each concurrency level (C / P threads each)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all levels; tables show the median"
@@ -135,6 +146,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.messages < max(args.concurrency):
         parser.error("--rounds must be >= 1 and --messages >= the highest concurrency")
+    if args.processes < 1 or any(c % args.processes for c in args.concurrency):
+        parser.error("each --concurrency level must be a multiple of --processes, e.g. 2,4,8")
+    if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
+        parser.error(f"--cpu {args.cpu}: not a CPU this process may run on")
     return args
 
 
@@ -234,30 +249,60 @@ def _gone(conn: psycopg.Connection[Any], low: int, high: int) -> bool:
     return bool(row and row[0])
 
 
-def spawn_worker(
-    dsn: str, queue: str, concurrency: int, *extra: str
-) -> tuple[float, float, dict[str, Any]]:
-    """Run one draining worker process; its wall time, CPU time and stats file."""
-    with tempfile.TemporaryDirectory(prefix="dedupworker-bench-") as tmp:
-        stats_file = Path(tmp) / "stats.json"
+@dataclass(frozen=True)
+class Workers:
+    """How scenario A starts its workers: `processes` of them sharing the concurrency, each
+    with `--cpu`, the first on `cpu` and the next ones on the CPUs after it, when `cpu` is set."""
+
+    processes: int = 1
+    cpu: int | None = None
+
+    def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
         command = [
             *(sys.executable, "-m", "dedupworker", "run", "bench.noop:Noop"),
-            *("--dsn", dsn, "--queue", queue, "--concurrency", str(concurrency)),
-            *("--drain", "--stats-file", str(stats_file), *extra),
+            *("--dsn", dsn, "--queue", queue),
+            *("--concurrency", str(concurrency // self.processes)),
+            *("--drain", "--stats-file", str(stats)),
+        ]
+        if self.cpu is not None:
+            cpus = sorted(os.sched_getaffinity(0))
+            command += ["--cpu", str(cpus[(cpus.index(self.cpu) + index) % len(cpus)])]
+        return command
+
+
+def spawn_worker(
+    dsn: str, queue: str, concurrency: int, workers: Workers
+) -> tuple[float, float, dict[str, Any]]:
+    """Run the draining worker processes side by side; their wall time, CPU time and stats
+    (counts summed, the longest elapsed time)."""
+    with tempfile.TemporaryDirectory(prefix="dedupworker-bench-") as tmp:
+        files = [Path(tmp) / f"stats{i}.json" for i in range(workers.processes)]
+        commands = [
+            workers.command(dsn, queue, concurrency, i, path) for i, path in enumerate(files)
         ]
         cpu, started = children_cpu(), time.perf_counter()
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+        procs = [
+            subprocess.Popen(c, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for c in commands
+        ]
+        errors = [proc.communicate()[1] for proc in procs]
         wall, cpu = time.perf_counter() - started, children_cpu() - cpu
-        if done.returncode != 0:
-            raise RuntimeError(f"worker exited {done.returncode}:\n{done.stderr[-3000:]}")
-        return wall, cpu, json.loads(stats_file.read_text())
+        for proc, err in zip(procs, errors, strict=True):
+            if proc.returncode != 0:
+                raise RuntimeError(f"worker exited {proc.returncode}:\n{err[-3000:].decode()}")
+        stats: dict[str, Any] = {}
+        for path in files:
+            for key, value in json.loads(path.read_text()).items():
+                merge = max if key == "elapsed_seconds" else operator.add
+                stats[key] = merge(stats.get(key, 0), value)
+        return wall, cpu, stats
 
 
 def run_dedupworker(
-    dsn: str, queue: str, ids: tuple[int, int], concurrency: int, *extra: str
+    dsn: str, queue: str, ids: tuple[int, int], concurrency: int, workers: Workers
 ) -> WorkerMeasure:
     with Watcher(dsn, ids) as watcher:
-        wall, cpu, stats = spawn_worker(dsn, queue, concurrency, *extra)
+        wall, cpu, stats = spawn_worker(dsn, queue, concurrency, workers)
     messages = ids[1] - ids[0] + 1
     if stats.get("succeeded") != messages or watcher.first is None or watcher.last is None:
         raise RuntimeError(f"worker did not process {messages} messages cleanly: {stats}")
@@ -266,8 +311,8 @@ def run_dedupworker(
     )
 
 
-def run_idle_worker(dsn: str, queue: str, concurrency: int, *extra: str) -> WorkerMeasure:
-    wall, cpu, stats = spawn_worker(dsn, queue, concurrency, *extra)
+def run_idle_worker(dsn: str, queue: str, concurrency: int, workers: Workers) -> WorkerMeasure:
+    wall, cpu, stats = spawn_worker(dsn, queue, concurrency, workers)
     return WorkerMeasure(1, wall, cpu, stats["elapsed_seconds"], wall)
 
 
@@ -353,15 +398,15 @@ def run_level(
     queue: str,
     messages: int,
     concurrency: int,
-    *extra: str,
+    *,
+    workers: Workers,
 ) -> Row:
-    """The three scenarios at one concurrency, each on a freshly filled queue; `extra`: the
-    worker's own options."""
-    idle = run_idle_worker(dsn, queue, concurrency, *extra)
-    worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency, *extra)
+    """The three scenarios at one concurrency, each on a freshly filled queue."""
+    idle = run_idle_worker(dsn, queue, concurrency, workers)
+    worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency, workers)
     require_empty(conn, queue, "dedupworker")
     ids = refill(conn, queue, messages, given=True)
-    given = run_dedupworker(dsn, queue, ids, concurrency, *extra)
+    given = run_dedupworker(dsn, queue, ids, concurrency, workers)
     require_empty(conn, queue, "dedupworker, entities given")
     refill(conn, queue, messages)
     plain = run_plain(dsn, queue, concurrency)
@@ -386,15 +431,13 @@ def run_level(
 def run_all(dsn: str, args: argparse.Namespace) -> tuple[list[str], list[list[Row]]]:
     """`rounds` sweeps; each sweep runs A, B, C at one concurrency before the next one."""
     queue = f"bench_{os.getpid()}"
-    extra = () if args.cpu is None else ("--cpu", str(args.cpu))
+    workers = Workers(args.processes, args.cpu)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         header = machine(conn)
         try:
-            rounds = [
-                [run_level(conn, dsn, queue, args.messages, c, *extra) for c in args.concurrency]
-                for _ in range(args.rounds)
-            ]
+            level = functools.partial(run_level, conn, dsn, queue, args.messages, workers=workers)
+            rounds = [[level(c) for c in args.concurrency] for _ in range(args.rounds)]
         finally:
             conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (queue,))
     return header, rounds
@@ -501,7 +544,9 @@ def spread(rounds: list[list[Row]]) -> str:
 def report(header: list[str], args: argparse.Namespace, rounds: list[list[Row]]) -> None:
     rows = median_rows(rounds)
     print("\n".join(header))
-    print(f"{args.messages} messages per scenario, median of {args.rounds} round(s)\n")
+    print(f"{args.messages} messages per scenario, median of {args.rounds} round(s)")
+    each = f"concurrency / {args.processes} threads each"
+    print(f"dedupworker: {args.processes} process(es), {each}\n")
     print(summary(rows))
     print("\nSpread over the rounds (min..max):\n")
     print(spread(rounds))
