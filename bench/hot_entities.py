@@ -4,8 +4,8 @@ Reports the drain time against its lower bound (the larger of the busiest entity
 time and the total work divided by the concurrency) and the requeues (contentions) per message.
 The drain time is from the first job's commit to the last one's, seen by polling the queue
 every 10 ms from outside (postgres_throughput.Watcher), as in the throughput benchmark; the
-worker processes' own elapsed time (start-up and exit included) and the wall time are shown
-beside it.
+worker processes' own elapsed time (the longest one's, start-up and exit included) and the
+wall time are shown beside it.
 
 Run from the repository root:  python -m bench.hot_entities
 """
@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import shlex
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import psycopg
 
-from bench.postgres_throughput import Watcher
+from bench.postgres_throughput import Watcher, Workers, add_worker_options, spawn_worker
 from dedupworker import Message, enqueue
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def fill(dsn: str, args: argparse.Namespace) -> tuple[int, tuple[int, int]]:
@@ -53,42 +46,9 @@ def entity_of(message: Message) -> object:
 
 
 def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
-    per_process = args.concurrency // args.processes
-    with tempfile.TemporaryDirectory() as tmp:
-        files = [Path(tmp) / f"stats{i}.json" for i in range(args.processes)]
-        started = time.perf_counter()
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dedupworker",
-                    "--log-level",
-                    "ERROR",
-                    "run",
-                    args.handler,
-                    "--dsn",
-                    dsn,
-                    "--queue",
-                    "hot",
-                    "--drain",
-                    "--concurrency",
-                    str(per_process),
-                    "--stats-file",
-                    str(path),
-                    *(() if args.cpu is None else ("--cpu", str(args.cpu))),
-                ],
-                cwd=REPO,
-            )
-            for path in files
-        ]
-        if any(proc.wait() != 0 for proc in procs):
-            raise RuntimeError("a worker failed")
-        wall = time.perf_counter() - started
-        totals: collections.Counter[str] = collections.Counter()
-        for path in files:
-            totals.update(json.loads(path.read_text()))
-    return wall, dict(totals)
+    workers = Workers(args.processes, args.cpu, args.handler)
+    wall, _, stats = spawn_worker(dsn, "hot", args.concurrency, workers)
+    return wall, stats
 
 
 def main() -> int:
@@ -97,11 +57,8 @@ def main() -> int:
     parser.add_argument("--entities", type=int, default=20)
     parser.add_argument("--work-ms", type=float, default=2.0)
     parser.add_argument("--concurrency", type=int, default=8, help="handler threads in all")
-    parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument(
-        "--cpu", type=int, help="run each worker with --cpu CPU (all its threads on that CPU)"
-    )
+    add_worker_options(parser)
     parser.add_argument(
         "--no-entity",
         dest="given",
@@ -114,6 +71,8 @@ def main() -> int:
         help="bench.sleepy:NoLocalWait requeues at once instead of waiting for its own thread",
     )
     args = parser.parse_args()
+    if args.processes < 1 or args.concurrency % args.processes:
+        parser.error("--concurrency must be a multiple of --processes")
     print("$ python -m bench.hot_entities " + shlex.join(sys.argv[1:]))
     server = private_postgres()
     try:
@@ -128,7 +87,7 @@ def main() -> int:
     work = args.work_ms / 1000
     bound = max(busiest * work, args.messages * work / args.concurrency)
     jobs = watcher.last - watcher.first
-    elapsed = stats["elapsed_seconds"] / args.processes
+    elapsed = stats["elapsed_seconds"]  # the longest of the processes'
     print(
         "| messages | entities | concurrency | processes | entity given | lower bound s "
         "| drain s (first→last job) | worker process s | wall s | drain / bound "

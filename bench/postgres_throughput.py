@@ -128,18 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--concurrency", type=concurrency_list, default=[1, 4, 8], help="e.g. 1,4,8"
     )
     parser.add_argument("--dsn", help="use this database instead of a private PostgreSQL")
-    parser.add_argument(
-        "--cpu",
-        type=int,
-        help="run the worker with --cpu CPU (all its threads on that CPU; with --processes, "
-        "the next processes on the next CPUs)",
-    )
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        help="worker processes sharing each concurrency level (C / P threads each)",
-    )
+    add_worker_options(parser)
     parser.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all levels; tables show the median"
     )
@@ -151,6 +140,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
         parser.error(f"--cpu {args.cpu}: not a CPU this process may run on")
     return args
+
+
+def add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """--processes and --cpu, as `Workers` takes them."""
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="worker processes sharing the concurrency (C / P threads each)",
+    )
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        help="run the worker with --cpu CPU (all its threads on that CPU; with --processes, "
+        "the next processes on the next CPUs)",
+    )
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -251,15 +256,17 @@ def _gone(conn: psycopg.Connection[Any], low: int, high: int) -> bool:
 
 @dataclass(frozen=True)
 class Workers:
-    """How scenario A starts its workers: `processes` of them sharing the concurrency, each
-    with `--cpu`, the first on `cpu` and the next ones on the CPUs after it, when `cpu` is set."""
+    """How a scenario starts its draining workers: `processes` of them running `handler`,
+    sharing the concurrency, each with `--cpu`, the first on `cpu` and the next ones on the
+    CPUs after it, when `cpu` is set."""
 
     processes: int = 1
     cpu: int | None = None
+    handler: str = "bench.noop:Noop"
 
     def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
         command = [
-            *(sys.executable, "-m", "dedupworker", "run", "bench.noop:Noop"),
+            *(sys.executable, "-m", "dedupworker", "run", self.handler),
             *("--dsn", dsn, "--queue", queue),
             *("--concurrency", str(concurrency // self.processes)),
             *("--drain", "--stats-file", str(stats)),
@@ -281,15 +288,17 @@ def spawn_worker(
             workers.command(dsn, queue, concurrency, i, path) for i, path in enumerate(files)
         ]
         cpu, started = children_cpu(), time.perf_counter()
-        procs = [
-            subprocess.Popen(c, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            for c in commands
-        ]
-        errors = [proc.communicate()[1] for proc in procs]
+        procs = []
+        for i, command in enumerate(commands):
+            # Logs to a file each: a full pipe would stall a worker while another is read.
+            with open(Path(tmp) / f"worker{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
+        codes = [proc.wait() for proc in procs]
         wall, cpu = time.perf_counter() - started, children_cpu() - cpu
-        for proc, err in zip(procs, errors, strict=True):
-            if proc.returncode != 0:
-                raise RuntimeError(f"worker exited {proc.returncode}:\n{err[-3000:].decode()}")
+        for i, code in enumerate(codes):
+            if code != 0:
+                log_text = (Path(tmp) / f"worker{i}.log").read_text(errors="replace")
+                raise RuntimeError(f"worker exited {code}:\n{log_text[-3000:]}")
         stats: dict[str, Any] = {}
         for path in files:
             for key, value in json.loads(path.read_text()).items():

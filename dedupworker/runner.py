@@ -93,6 +93,9 @@ class Runner:
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
         self._claiming = transport if isinstance(transport, ClaimsInTransaction) else None
+        # The postgres queue: the claim is in the message's transaction, and the handler runs
+        # in a savepoint opened after the entity's lock (see _queue_lock).
+        self._savepoints = self._claiming is not None
         self._held = _Held()  # per thread, a claim made ahead (see step)
         self._crowded_until = 0.0  # see _claim
         self._savepoint_ahead = True  # see _claim
@@ -298,12 +301,13 @@ class Runner:
         """Lock `key` (None: the claim holds the lock already), open the handler's savepoint
         if the claim did not, check the ledger, call."""
         handler, message = self.handler, delivery.message
-        opening = not savepoint and self._claiming is not None
-        if key is not None or dedup_key is not None or opening:
-            stopped = self._lock_and_look_up(delivery, conn, key, dedup_key, savepoint)
-            savepoint = savepoint or self._claiming is not None
-            if stopped is not None:
-                return stopped, savepoint
+        if key is not None or dedup_key is not None or (self._savepoints and not savepoint):
+            locked, seen = self._lock_and_look_up(conn, key, dedup_key, savepoint)
+            savepoint = self._savepoints  # open now, where there is one
+            if not locked:
+                return on_contended(handler, delivery), savepoint
+            if seen:
+                return DUPLICATE, savepoint
         try:
             if not handler.may_run(message, conn):
                 return on_contended(handler, delivery), savepoint
@@ -318,46 +322,43 @@ class Runner:
 
     def _lock_and_look_up(
         self,
-        delivery: Delivery,
         conn: psycopg.Connection[Any],
         key: LockKey | None,
         dedup_key: str | None,
         savepoint: bool,
-    ) -> Verdict | None:
+    ) -> tuple[bool, bool]:
         """Lock `key`, open the handler's savepoint and check the ledger for `dedup_key`, as far
-        as needed, in one round trip; the verdict when the message must not run (contended,
-        duplicate), else None."""
+        as needed, in one round trip: whether the entity is ours, whether the key was seen."""
         batch = Batch(conn)
-        locked = None
-        if key is not None:
-            locked = self._queue_lock(batch, conn, key, savepoint)
-        elif not savepoint and self._claiming is not None:
-            batch.execute(SAVEPOINT)  # the claim took the lock, without the savepoint
+        locked = self._queue_lock(batch, conn, key, savepoint)
         # A plain read: it never waits, and under the lock it sees every committed call for
         # this entity.
         seen = (
             None if dedup_key is None else batch.execute(sql.DEDUP_SEEN, (self._scope, dedup_key))
         )
         batch.run()
-        if locked is not None and not fetch_flag(locked):
-            return on_contended(self.handler, delivery)
-        if seen is not None and fetch_flag(seen):
-            return DUPLICATE
-        return None
+        return locked is None or fetch_flag(locked), seen is not None and fetch_flag(seen)
 
     def _queue_lock(
-        self, batch: Batch, conn: psycopg.Connection[Any], key: LockKey, savepoint: bool
-    ) -> Rows:
-        in_transaction = self._claiming is not None  # the claim opened it, and the timeout
-        if savepoint:
-            # Locked outside the savepoint: rolling the savepoint back must not release it.
-            batch.execute(RELEASE_SAVEPOINT)
-        elif not in_transaction and conn.info.transaction_status == TransactionStatus.IDLE:
+        self, batch: Batch, conn: psycopg.Connection[Any], key: LockKey | None, savepoint: bool
+    ) -> Rows | None:
+        """Queue the lock of `key` (None: the claim took it) and the start of what the handler
+        runs in: on the postgres queue its savepoint, always opened after the lock (rolling the
+        savepoint back must not release it); elsewhere the transaction and its timeout."""
+        if key is None:
+            if self._savepoints and not savepoint:
+                batch.execute(SAVEPOINT)  # the claim took the lock, without the savepoint
+            return None
+        if self._savepoints:
+            if savepoint:
+                batch.execute(RELEASE_SAVEPOINT)
+            locked = batch.execute(key.sql, key.params)
+            batch.execute(SAVEPOINT)
+            return locked
+        if conn.info.transaction_status == TransactionStatus.IDLE:
             batch.execute("BEGIN")
         locked = batch.execute(key.sql, key.params)
-        if in_transaction:
-            batch.execute(SAVEPOINT)
-        elif self._timeout is not None:
+        if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         return locked
 

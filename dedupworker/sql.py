@@ -5,9 +5,9 @@ from __future__ import annotations
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
 # The claim: one ready job, oldest first, skipping rows other claims hold. It also tries the
-# lock of the entity given at enqueue (NULL when none was given),
-# computed as dedupworker.keys does; the worker checks the entity against its handler's before
-# it trusts the result. The CTE claims one row first: the lock is tried on that row only.
+# lock of the entity given at enqueue (NULL when none was given), computed as dedupworker.keys
+# does; the worker checks the entity against its handler's before it trusts the result. The
+# CTE claims one row first: the lock is tried on that row only.
 _CLAIM_LOCKING = """
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -25,9 +22,11 @@ import pytest
 from dedupworker import Message, enqueue
 from dedupworker.checking import Report, check, create_tables
 
-from .conftest import ROOT, clean_env
+from .checked_calls import scalar
+from .conftest import clean_env
 from .pgbouncer import PgBouncer
 from .proxy import Proxy
+from .worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -36,61 +35,14 @@ ENTITIES = 12
 PROCESSES = 3
 
 
-class Run:
-    """Worker processes draining one queue; replaceable when a fault kills one."""
+class Run(WorkerProcesses):
+    """Checked-handler worker processes draining one queue; replaceable when a fault kills one."""
 
-    def __init__(self, worker_dsn: str, check_dsn: str, *args: str) -> None:
-        self.env = {
-            **clean_env(),
-            "DEDUPWORKER_DSN": worker_dsn,
-            "DEDUPWORKER_CHECK_DSN": check_dsn,
-        }
-        self.args = args
-        self.procs: list[subprocess.Popen[str]] = []
-        self.reaped = 0
-        self.killed = 0
-
-    def spawn(self) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dedupworker",
-                "--log-level",
-                "ERROR",
-                "run",
-                "dedupworker.checking:CheckedHandler",
-                "--queue",
-                "q",
-                "--concurrency",
-                "3",
-                "--drain",
-                "--poll-interval",
-                "0.2",
-                "--connect-timeout",
-                "60",
-                *self.args,
-            ],
-            cwd=ROOT,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def alive(self) -> list[subprocess.Popen[str]]:
-        return [p for p in self.procs if p.poll() is None]
-
-    def wait(self, limit: float = 240) -> None:
-        """Reap every process, including replacements spawned while waiting."""
-        deadline = time.monotonic() + limit
-        while self.reaped < len(self.procs):
-            proc = self.procs[self.reaped]
-            _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            assert proc.returncode in (0, -signal.SIGKILL), err[-3000:]
-            self.reaped += 1
+    def __init__(self, worker_dsn: str, check_dsn: str, logs: Path) -> None:
+        env = {**clean_env(), "DEDUPWORKER_DSN": worker_dsn, "DEDUPWORKER_CHECK_DSN": check_dsn}
+        command = ["dedupworker.checking:CheckedHandler", "--queue", "q", "--concurrency", "3"]
+        command += ["--drain", "--poll-interval", "0.2", "--connect-timeout", "60"]
+        super().__init__(env, logs, command, drain_limit=240)
 
 
 def fill(conn: psycopg.Connection[Any]) -> tuple[list[str], list[str]]:
@@ -112,33 +64,10 @@ def every_other_entity(message: Message) -> object:
     return body["entity"] if msg.isdigit() and int(msg) % 2 == 0 else None
 
 
-@contextmanager
-def injecting(fault: Callable[[threading.Event], None]) -> Iterator[None]:
-    stop = threading.Event()
-    thread = threading.Thread(target=fault, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(30)
-
-
-def run_with(
-    dsn: str,
-    fault: Callable[[threading.Event], None],
-    worker_dsn: str | None = None,
-    *args: str,
-    run: Run | None = None,
-) -> Report:
+def run_with(dsn: str, fault: Callable[[threading.Event], None], run: Run) -> Report:
     with psycopg.connect(dsn, autocommit=True) as conn:
         produced, poison = fill(conn)
-    run = run or Run(worker_dsn or dsn, dsn, *args)
-    for _ in range(PROCESSES):
-        run.spawn()
-    with injecting(fault):
-        run.wait()
-    run.wait()  # a replacement spawned just before the injector stopped
+    run.drain(PROCESSES, fault)
     with psycopg.connect(dsn, autocommit=True) as conn:
         report = check(conn, produced, poison)
     print(report.as_dict())
@@ -157,31 +86,28 @@ def handlers_running(dsn: str, stop: threading.Event) -> bool:
     timed from the start would miss a run that drains before they come."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         while not stop.wait(0.02):
-            if conn.execute("SELECT EXISTS (SELECT 1 FROM check_calls)").fetchone() == (True,):
+            if scalar(conn, "SELECT EXISTS (SELECT 1 FROM check_calls)"):
                 return True
     return False
 
 
-def test_workers_killed_mid_handler(dsn: str) -> None:
-    run = Run(dsn, dsn)
+def test_workers_killed_mid_handler(dsn: str, tmp_path: Path) -> None:
+    run = Run(dsn, dsn, tmp_path)
     rng = random.Random(1)
 
     def kill_some(stop: threading.Event) -> None:
         running = handlers_running(dsn, stop)
-        while running and run.killed < 6:
+        while running and len(run.killed) < 6:
             alive = run.alive()
             if alive:
-                rng.choice(alive).kill()
-                run.killed += 1
-                run.spawn()
+                run.kill(rng.choice(alive))  # and start its replacement
             running = not stop.wait(0.4)
 
-    report = run_with(dsn, kill_some, run=run)
-    assert_clean(report)
-    assert run.killed > 0
+    assert_clean(run_with(dsn, kill_some, run))
+    assert run.killed
 
 
-def test_connections_terminated_mid_handler(dsn: str) -> None:
+def test_connections_terminated_mid_handler(dsn: str, tmp_path: Path) -> None:
     terminated = []
 
     def terminate(stop: threading.Event) -> None:
@@ -194,11 +120,11 @@ def test_connections_terminated_mid_handler(dsn: str) -> None:
                 ).fetchall()
                 terminated.extend(rows)
 
-    assert_clean(run_with(dsn, terminate))
+    assert_clean(run_with(dsn, terminate, Run(dsn, dsn, tmp_path)))
     assert terminated, "no connection was caught mid-handler"
 
 
-def test_postgresql_restarted_while_workers_run(dsn: str, pg_server: Any) -> None:
+def test_postgresql_restarted_while_workers_run(dsn: str, pg_server: Any, tmp_path: Path) -> None:
     restarts = []
 
     def restart(stop: threading.Event) -> None:
@@ -206,11 +132,11 @@ def test_postgresql_restarted_while_workers_run(dsn: str, pg_server: Any) -> Non
             pg_server.restart()
             restarts.append(time.monotonic())
 
-    assert_clean(run_with(dsn, restart))
+    assert_clean(run_with(dsn, restart, Run(dsn, dsn, tmp_path)))
     assert restarts
 
 
-def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any) -> None:
+def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any, tmp_path: Path) -> None:
     proxy = Proxy(pg_server.port)
     cuts = []
 
@@ -225,7 +151,7 @@ def test_network_cut_between_workers_and_database(dsn: str, pg_server: Any) -> N
 
     try:
         through = dsn.replace(f":{pg_server.port}/", f":{proxy.port}/")
-        assert_clean(run_with(dsn, cut, through))
+        assert_clean(run_with(dsn, cut, Run(through, dsn, tmp_path)))
     finally:
         proxy.close()
     assert cuts
@@ -242,7 +168,7 @@ def pgbouncer(pg_server: Any) -> Iterator[PgBouncer]:
 
 
 def test_through_a_transaction_mode_pgbouncer(
-    dsn: str, pg_server: Any, pgbouncer: PgBouncer
+    dsn: str, pg_server: Any, pgbouncer: PgBouncer, tmp_path: Path
 ) -> None:
     through = dsn.replace(f":{pg_server.port}/", f":{pgbouncer.port}/")
 
@@ -250,7 +176,7 @@ def test_through_a_transaction_mode_pgbouncer(
         stop.wait()
 
     # No --pgbouncer flag: the worker must detect the pooler itself.
-    assert_clean(run_with(dsn, nothing, through))
+    assert_clean(run_with(dsn, nothing, Run(through, dsn, tmp_path)))
 
 
 def test_the_checker_sees_overlaps_losses_and_double_successes(

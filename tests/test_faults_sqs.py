@@ -24,7 +24,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -142,42 +141,6 @@ def depth(sqs: SqsServer, url: str) -> tuple[int, int, int]:
     return visible, in_flight, delayed
 
 
-@contextmanager
-def injecting(fault: Callable[[threading.Event], None]) -> Iterator[None]:
-    """Run `fault` in a thread while the body runs; its exceptions fail the test."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fault(stop)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(60)
-    assert not thread.is_alive(), "the fault injector never finished"
-    if errors:
-        raise errors[0]
-
-
-def drain(workers: Workers, fault: Callable[[threading.Event], None]) -> None:
-    """PROCESSES workers drain the queue while `fault` runs; every process is reaped."""
-    try:
-        for _ in range(PROCESSES):
-            workers.spawn()
-        with injecting(fault):
-            workers.wait()
-        workers.wait()  # a replacement spawned just before the injector stopped
-    finally:
-        workers.stop_all()
-
-
 def assert_clean(
     conn: psycopg.Connection[Any],
     sqs: SqsServer,
@@ -260,7 +223,7 @@ def test_workers_killed_mid_handler_are_replaced_and_lose_nothing(
                 workers.kill(proc)
                 stop.wait(0.7)
 
-    drain(workers, kill_mid_handler)
+    workers.drain(PROCESSES, kill_mid_handler)
     report = assert_clean(conn, sqs, queues, produced, poison)
     assert len(workers.killed) == KILLS
     assert report.unfinished_calls > 0  # calls were cut short; their messages were still done
@@ -293,7 +256,7 @@ def test_sqs_endpoint_cut_and_restored_workers_ride_it_out(
                 proxy.restore()
 
     try:
-        drain(workers, cut)
+        workers.drain(PROCESSES, cut)
     finally:
         proxy.close()
     report = assert_clean(conn, sqs, queues, produced, poison)
@@ -337,7 +300,7 @@ def test_visibility_lost_mid_call_the_lock_keeps_the_redelivered_message_waiting
                 finally:
                     proc.send_signal(signal.SIGCONT)
 
-    drain(workers, freeze_mid_call)
+    workers.drain(PROCESSES, freeze_mid_call)
     report = assert_clean(conn, sqs, queues, produced, poison)
     assert report.unfinished_calls == 0  # the frozen call too was finished
     assert frozen, "no worker was frozen mid-call"

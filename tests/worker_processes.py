@@ -6,8 +6,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,17 @@ class WorkerProcesses:
             assert proc.returncode == expected, self.log(proc)[-3000:]
             self.reaped += 1
 
+    def drain(self, processes: int, fault: Callable[[threading.Event], None]) -> None:
+        """`processes` workers drain the queue while `fault` runs; every process is reaped."""
+        try:
+            for _ in range(processes):
+                self.spawn()
+            with injecting(fault):
+                self.wait()
+            self.wait()  # a replacement spawned just before the injector stopped
+        finally:
+            self.stop_all()
+
     def stop_all(self) -> None:
         """After a failure: nothing outlives the test (a frozen process dies of SIGKILL too)."""
         for proc in self.alive():
@@ -71,3 +84,28 @@ class WorkerProcesses:
 
     def _log_path(self, index: int) -> Path:
         return self.logs / f"worker{index}.log"
+
+
+@contextmanager
+def injecting(fault: Callable[[threading.Event], None]) -> Iterator[None]:
+    """Run `fault` in a thread while the body runs, until told to stop; its exceptions fail
+    the test."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fault(stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive(), "the fault injector never finished"
+    if errors:
+        raise errors[0]
