@@ -118,7 +118,13 @@ def _add_run(sub: Any) -> None:
         default=4,
         help="handler threads per handler (each holds one pooled connection)",
     )
-    add_option(p, "--metrics-port", type=int, help="serve /metrics, /healthz, /readyz")
+    add_option(
+        p,
+        "--metrics-port",
+        type=int,
+        help="serve /metrics (Prometheus), /healthz (alive), /readyz (database reachable) and "
+        "/hot (JSON: the most contended entity keys per handler) on this port; 0 picks a free one",
+    )
     add_option(
         p, "--drain", action="store_true", help="exit 0 once nothing is ready, delayed or in flight"
     )
@@ -402,16 +408,17 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         check_schema(conn)
         rows = conn.execute(sql.LIST_DEAD, (200, args.queue, args.queue, args.limit)).fetchall()
-    keys = ("id", "queue", "attempts", "contentions", "dead_at", "error", "body")
+    keys = ("id", "queue", "attempts", "contentions", "dead_at", "error", "body", "traceback")
     for row in rows:
         item = dict(zip(keys, row, strict=True))
         if args.json:
             print(json.dumps(item, default=str))
-        else:
-            print(
-                f"#{item['id']} [{item['queue']}] {item['dead_at']:%Y-%m-%d %H:%M:%S} "
-                f"attempts={item['attempts']}: {item['error']}\n    body: {item['body']}"
-            )
+            continue
+        trace = "".join(f"\n    {line}" for line in (item["traceback"] or "").splitlines())
+        print(
+            f"#{item['id']} [{item['queue']}] {item['dead_at']:%Y-%m-%d %H:%M:%S} "
+            f"attempts={item['attempts']}: {item['error']}{trace}\n    body: {item['body']}"
+        )
     if not rows and not args.json:
         print("no dead jobs")
     return 0
@@ -428,10 +435,20 @@ def cmd_dead_requeue(args: argparse.Namespace) -> int:
         rows = conn.execute(
             sql.REQUEUE_DEAD, (args.queue, args.queue, args.ids, args.ids)
         ).fetchall()
-        for queue in {row[0] for row in rows}:
+        for queue in {row[1] for row in rows}:
             conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
     print(f"requeued {len(rows)} dead job(s)")
-    return 0
+    missing = sorted(set(args.ids or ()) - {row[0] for row in rows})
+    if not missing:
+        return 0
+    where = f" in queue {args.queue!r}" if args.queue else ""
+    ids = ("id " if len(missing) == 1 else "ids ") + ", ".join(map(str, missing))
+    print(
+        f"dedupworker: error: no dead job{where} with {ids}; "
+        "`dedupworker dead list` shows the dead jobs",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -455,7 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DedupWorkerError as exc:
         print(f"dedupworker: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        # A worker says what its second Ctrl-C cut off; elsewhere Ctrl-C just stops the command.
+        print(f"dedupworker: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

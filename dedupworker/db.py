@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any
 
 import psycopg
@@ -34,13 +35,20 @@ def connection_kwargs(application_name: str) -> dict[str, Any]:
 
 
 def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
-    """Connect, retrying with backoff for up to `timeout` seconds; then a clear error."""
+    """Connect, retrying with backoff for up to `timeout` seconds; then a clear error.
+
+    An error that waiting cannot fix (no such database or role, a wrong password, no
+    pg_hba.conf entry, an invalid DSN) fails at once.
+    """
     retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception_type(psycopg.OperationalError),
+        retry=tenacity.retry_if_exception(retryable),
         wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
         stop=tenacity.stop_after_delay(timeout),
         before_sleep=lambda state: log.warning(
-            "database %s unreachable (%s); retrying", describe_dsn(dsn), _last_error(state)
+            "database %s unreachable (%s); retrying for up to %g s (--connect-timeout)",
+            describe_dsn(dsn),
+            _last_error(state),
+            timeout,
         ),
         reraise=True,
     )
@@ -49,13 +57,99 @@ def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
             psycopg.connect, dsn, connect_timeout=max(1, int(min(timeout, 10))), **kwargs
         )
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL at {describe_dsn(dsn)} after {timeout:g} s: "
-            f"{_first_line(exc)}. Check --dsn / DEDUPWORKER_DSN and that the server is running."
-        ) from None
+        raise unavailable(dsn, exc, timeout) from None
     except psycopg.ProgrammingError as exc:
-        raise DatabaseUnavailable(f"invalid DSN {describe_dsn(dsn)}: {_first_line(exc)}") from None
+        raise DatabaseUnavailable(
+            f"invalid DSN {describe_dsn(dsn)}: {_redact(_first_line(exc), dsn)}: fix --dsn / "
+            "DEDUPWORKER_DSN (a libpq URL postgresql://user:password@host:5432/dbname or "
+            "key=value pairs)"
+        ) from None
     return conn
+
+
+# What a failed connect carries, checked against PostgreSQL 15 and libpq 18: no SQLSTATE
+# (exc.sqlstate and exc.diag are empty, the server's FATAL comes before any session exists),
+# libpq's flags on exc.pgconn, and the message text: the server's part is English unless its
+# lc_messages says otherwise. An error not recognised here is retried until the timeout.
+_PERMANENT_SQLSTATES = {"3D000", "28000", "28P01"}  # no database; role or pg_hba; password
+_FIX = "--dsn / DEDUPWORKER_DSN"
+_NO_PASSWORD = (
+    "the server asks for a password and none was given: add it to "
+    + _FIX
+    + " (or set PGPASSWORD, or use ~/.pgpass)"
+)
+_PERMANENT = tuple(
+    (re.compile(pattern), advice)
+    for pattern, advice in (
+        (
+            r'database "([^"]*)" does not exist',
+            'database "{0}" does not exist: create it or fix the dbname in ' + _FIX,
+        ),
+        (
+            r'role "([^"]*)" does not exist',
+            'role "{0}" does not exist: create it (CREATE ROLE ... LOGIN) or fix the user in '
+            + _FIX,
+        ),
+        (
+            r'role "([^"]*)" is not permitted to log in',
+            'role "{0}" may not log in: ALTER ROLE ... LOGIN, or connect as another user in '
+            + _FIX,
+        ),
+        (
+            r'password authentication failed for user "([^"]*)"',
+            'password authentication failed for user "{0}": fix the password in '
+            + _FIX
+            + " (or PGPASSWORD, ~/.pgpass)",
+        ),
+        (
+            r"(no pg_hba\.conf entry for .*|pg_hba\.conf rejects connection for .*)",
+            "the server refuses this connection ({0}): allow it in the server's pg_hba.conf, "
+            "or connect as a user, database or host it allows in " + _FIX,
+        ),
+        (r"no password supplied", _NO_PASSWORD),
+        (
+            r"server does not support SSL, but SSL was required",
+            "the server does not support SSL and the DSN requires it: enable SSL on the server "
+            "or lower sslmode in " + _FIX,
+        ),
+        (
+            r"(invalid [\w ]*(?:value|number)[^\n]*)",
+            "invalid DSN ({0}): fix " + _FIX,
+        ),
+    )
+)
+
+
+def permanent_reason(exc: psycopg.OperationalError) -> str | None:
+    """Why retrying `exc` (from a failed connect) cannot help, with the fix; None if it can."""
+    text = str(exc)
+    if exc.pgconn is not None and exc.pgconn.needs_password:
+        return _NO_PASSWORD
+    for pattern, advice in _PERMANENT:
+        match = pattern.search(text)
+        if match:
+            return advice.format(*match.groups())
+    if exc.sqlstate in _PERMANENT_SQLSTATES:
+        return f"{_first_line(exc)} (SQLSTATE {exc.sqlstate}): fix {_FIX}"
+    return None
+
+
+def retryable(exc: BaseException) -> bool:
+    """An OperationalError that waiting may fix: refused, timed out, starting up, full..."""
+    return isinstance(exc, psycopg.OperationalError) and permanent_reason(exc) is None
+
+
+def unavailable(dsn: str, exc: psycopg.OperationalError, waited: float) -> DatabaseUnavailable:
+    """The error to show for `exc`, without the DSN's password."""
+    reason = permanent_reason(exc)
+    if reason is not None:
+        message = f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}"
+    else:
+        message = (
+            f"cannot connect to PostgreSQL at {describe_dsn(dsn)} after {waited:g} s: "
+            f"{_first_line(exc)}. Check {_FIX} and that the server is running."
+        )
+    return DatabaseUnavailable(_redact(message, dsn))
 
 
 POOLER_PROBE = "dedupworker.pooler_probe"
@@ -113,3 +207,16 @@ def _first_line(exc: BaseException) -> str:
 def _last_error(state: tenacity.RetryCallState) -> str:
     exc = state.outcome.exception() if state.outcome else None
     return _first_line(exc) if exc else "unknown error"
+
+
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _redact(text: str, dsn: str) -> str:
+    """`text` without the DSN's password, which libpq may quote from a DSN it cannot parse."""
+    try:
+        password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        # Unparseable: keep only quoted words (option names), hide quoted fragments of the DSN.
+        return _QUOTED.sub(lambda m: m[0] if m[1].isidentifier() else '"…"', text)
+    return text.replace(f'"{password}"', '"…"') if password else text

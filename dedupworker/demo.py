@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -360,18 +361,35 @@ def print_checks(plan: Plan, results: Results) -> bool:
     return all(ok for ok, _ in checks)
 
 
-def print_next_steps(private: bool) -> None:
+def print_next_steps(dsn: str | None) -> None:
+    """Commands to try on the demo's database; `dsn` is None for the private one, gone by now."""
     print(f"""
-Try next:
-  dedupworker dead list --dsn "$DSN" --queue {QUEUE}          # dead jobs, reasons and bodies
-  dedupworker dead requeue --dsn "$DSN" --queue {QUEUE} --all # give them another go
-  dedupworker locks --dsn "$DSN" --namespace 30           # while workers run: who holds what
+Try next{_where(dsn)}
+  dedupworker dead list --queue {QUEUE}           # dead jobs, reasons and bodies
+  dedupworker dead requeue --queue {QUEUE} --all  # give them another go
+  dedupworker locks --namespace 30             # while workers run: who holds what
   dedupworker demo --workers 6 --concurrency 8 --deliveries 1000""")
-    if private:
-        print(
-            'The private PostgreSQL stops with the demo: run `dedupworker demo --dsn "$DSN"`'
-            " against your own\nserver to keep the demo's tables and dead jobs for these commands."
+
+
+def _where(dsn: str | None) -> str:
+    """How the commands after it reach the demo's database: through DEDUPWORKER_DSN."""
+    if dsn is None:
+        return (
+            ": the private PostgreSQL stopped with the demo, so run the demo on a server of\n"
+            "your own first (any database where you may create a schema):\n"
+            "  export DEDUPWORKER_DSN='postgresql://USER:PASSWORD@HOST:5432/DBNAME'\n"
+            "  dedupworker demo"
         )
+    if os.environ.get("DEDUPWORKER_DSN") == dsn:
+        return f" (DEDUPWORKER_DSN names the demo's database, {describe_dsn(dsn)}):"
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    if not params.get("password"):
+        return f", on the demo's database:\n  export DEDUPWORKER_DSN={shlex.quote(dsn)}"
+    shown = psycopg.conninfo.make_conninfo("", **{**params, "password": "PASSWORD"})
+    return (
+        ", on the demo's database (put its password in place of PASSWORD):\n"
+        f"  export DEDUPWORKER_DSN={shlex.quote(shown)}"
+    )
 
 
 def run_demo(dsn: str | None, workers: int, concurrency: int, deliveries: int) -> int:
@@ -420,5 +438,5 @@ def _run(dsn: str, workers: int, concurrency: int, deliveries: int, *, private: 
     ok = print_checks(plan, results)
     for failure in failures:
         print(failure)
-    print_next_steps(private)
+    print_next_steps(None if private else dsn)
     return 0 if ok and not failures else 1

@@ -7,6 +7,13 @@ Two modes, chosen per handler with `Handler.lock_key_mode`:
   statement, so other SQL takes the very same lock with ``pg_advisory_xact_lock(30, 8675309)``
   or ``pg_advisory_xact_lock(30, hashtext('inv-17'))``. Two entities may share a 32-bit hash:
   that costs waiting, never correctness.
+
+A string that is the canonical decimal form of an int4 (``"7"``, ``"-12"``; not ``"07"``,
+``"+7"``, ``" 7"`` or ``"7.0"``) is that integer: JSON producers drift between ``7`` and
+``"7"``, and both must name one entity. `normalize_entity` makes the change, so every key
+computed from it (the runner's lock, an entity stored at enqueue, hot entities, logs) agrees;
+the claim's SQL does the same for a stored string (see `dedupworker.sql`). In ``"hash64"`` mode
+both forms hash the same text already.
 - ``"hash64"``: the one-key bigint form ``hashtextextended(text, namespace)``; SQL takes it with
   ``pg_advisory_xact_lock(hashtextextended('inv-17', 30))``. Collisions are out of the picture
   (64 bits) at the price of keys that no longer read as ``(namespace, id)`` in ``pg_locks``.
@@ -14,6 +21,7 @@ Two modes, chosen per handler with `Handler.lock_key_mode`:
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +30,9 @@ INT4_MIN = -(2**31)
 INT4_MAX = 2**31 - 1
 KeyMode = Literal["int4", "hash64"]
 KEY_MODES: tuple[KeyMode, ...] = ("int4", "hash64")
+
+# The canonical decimal form of an integer: what str(int) gives back (ASCII digits only).
+_DECIMAL = re.compile(r"0|-?[1-9][0-9]{0,9}")
 
 _LOCK_INT4 = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"
 _LOCK_HASHTEXT = "SELECT pg_try_advisory_xact_lock(%s::int4, hashtext(%s::text))"
@@ -51,7 +62,11 @@ def is_int(value: object) -> bool:
 
 
 def normalize_entity(entity: object) -> int | str:
-    """Accept int, str and UUID entities; refuse the rest with a reason."""
+    """Accept int, str and UUID entities; refuse the rest with a reason.
+
+    A str that is the canonical decimal form of an int4 comes back as that int, so that ``7``
+    and ``"7"`` lock one key (see the module docstring).
+    """
     if is_int(entity):
         return entity  # type: ignore[return-value]
     if isinstance(entity, uuid.UUID):
@@ -59,7 +74,7 @@ def normalize_entity(entity: object) -> int | str:
     if isinstance(entity, str):
         if "\x00" in entity:
             raise InvalidEntity("entity id contains a NUL character, which PostgreSQL text refuses")
-        return entity
+        return int4_of(entity) if _DECIMAL.fullmatch(entity) else entity
     raise InvalidEntity(
         f"entity_id() returned {type(entity).__name__} {entity!r}; return an int or a str"
     )
@@ -73,6 +88,12 @@ def lock_key(namespace: int, entity: object, mode: KeyMode = "int4") -> LockKey:
     if isinstance(value, int) and fits_int4(value):
         return LockKey(namespace, value, _LOCK_INT4, (namespace, value))
     return LockKey(namespace, value, _LOCK_HASHTEXT, (namespace, str(value)))
+
+
+def int4_of(text: str) -> int | str:
+    """A canonical decimal string as its int when it fits int4, else the string itself."""
+    value = int(text)
+    return value if fits_int4(value) else text
 
 
 def signed_int4(oid: int) -> int:

@@ -50,8 +50,8 @@ KAFKA_LAG = Gauge(
 )
 QUEUE_DEPTH = Gauge(
     "dedupworker_queue_depth",
-    "Messages in the transport's queue by state (sqs: visible, in_flight, delayed; "
-    "SQS's approximate counts).",
+    "Messages in the transport's queue by state (postgres: ready, delayed, dead; sqs: "
+    "visible, in_flight, delayed, SQS's approximate counts), refreshed every 15 s.",
     ["transport", "queue", "state"],
 )
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import re
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,10 +31,20 @@ class Verdict:
     reason: str = ""
     # On success: the dedup key to record in the ledger, in the same transaction.
     record: str | None = None
+    # What handle() or entity_id() raised, kept for its traceback (logs, dead letters); only
+    # formatted when used. None for deliberate outcomes (Reject, contention).
+    error: BaseException | None = None
 
 
 SUCCEEDED = Verdict(Outcome.SUCCEEDED)
 DUPLICATE = Verdict(Outcome.DUPLICATE)
+
+# UTF-8 bytes of traceback kept with a dead letter: deep enough for the frames that matter.
+TRACEBACK_LIMIT = 8192
+TRACEBACK_CUT = "[... start of the traceback cut ...]\n"
+# What SQS attribute values, PostgreSQL text or UTF-8 refuse (an error message may carry any
+# of it): kept escaped, so that storing the traceback never fails the dead letter.
+_UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def on_success(dedup_key: str | None) -> Verdict:
@@ -44,11 +56,36 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def format_traceback(exc: BaseException | None, limit: int = TRACEBACK_LIMIT) -> str:
+    """`exc`'s traceback as text within `limit` UTF-8 bytes ('' for None), see bound_text."""
+    if exc is None:
+        return ""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    return bound_text(_UNSAFE.sub(lambda found: ascii(found.group())[1:-1], text), limit)
+
+
+def bound_text(text: str, limit: int) -> str:
+    """`text` within `limit` UTF-8 bytes: its end is kept (a traceback's innermost frames and
+    the error), from a line start, after TRACEBACK_CUT; '' if not even the mark fits."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    room = limit - len(TRACEBACK_CUT.encode())
+    if room <= 0:
+        return ""
+    start = len(data) - room
+    tail = data[start:].decode("utf-8", "ignore")
+    if data[start - 1 : start] != b"\n":
+        tail = tail[tail.find("\n") + 1 :]  # from the next whole line, if there is one
+    return TRACEBACK_CUT + tail
+
+
 def on_bad_entity(exc: Exception) -> Verdict:
     """entity_id() raised or returned something unusable: the body is malformed."""
     return Verdict(
         Outcome.DEAD_LETTERED,
         reason=f"entity_id() failed, the message is malformed: {describe_error(exc)}",
+        error=exc,
     )
 
 
@@ -75,11 +112,12 @@ def on_failure(handler: Handler, delivery: Delivery, exc: Exception) -> Verdict:
         return Verdict(
             Outcome.DEAD_LETTERED,
             reason=f"failed {attempt} of max_attempts={handler.max_attempts}: {reason}",
+            error=exc,
         )
     delay = exc.delay if isinstance(exc, RetryLater) and exc.delay is not None else None
     if delay is None:
         delay = handler.retry_delay(attempt)
-    return Verdict(Outcome.RETRIED, delay=delay, reason=reason)
+    return Verdict(Outcome.RETRIED, delay=delay, reason=reason, error=exc)
 
 
 def carry_out(
@@ -88,7 +126,8 @@ def carry_out(
     verdict: Verdict,
     conn: Executor | None,
 ) -> None:
-    """Hand the verdict to the transport's ack / requeue / dead-letter."""
+    """Hand the verdict to the transport's ack / requeue / dead-letter (with the bounded
+    traceback of what raised, if anything did)."""
     match verdict.outcome:
         case Outcome.SUCCEEDED | Outcome.DUPLICATE:
             transport.ack(delivery, conn)
@@ -97,4 +136,5 @@ def carry_out(
         case Outcome.RETRIED:
             transport.requeue(delivery, verdict.delay, conn, contended=False, error=verdict.reason)
         case Outcome.DEAD_LETTERED:
-            transport.dead_letter(delivery, verdict.reason, conn)
+            trace = format_traceback(verdict.error)
+            transport.dead_letter(delivery, verdict.reason, conn, traceback=trace)

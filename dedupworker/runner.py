@@ -428,6 +428,11 @@ class Runner:
         level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
         if not log.isEnabledFor(level):
             return
+        # The traceback of what raised: with a dead letter always, with a retry at DEBUG only.
+        # The log handler formats it; nothing is formatted here.
+        error = verdict.error
+        if error is not None and level < logging.WARNING and not log.isEnabledFor(logging.DEBUG):
+            error = None
         message = delivery.message
         log.log(
             level,
@@ -437,6 +442,7 @@ class Runner:
             message.attempt,
             outcome,
             f": {verdict.reason}" if verdict.reason else "",
+            exc_info=error,
             extra={
                 "handler": self.handler.name,
                 "transport": self.transport.name,

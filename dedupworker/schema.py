@@ -49,7 +49,7 @@ CREATE TABLE dedupworker.singleton_runs (
 CREATE INDEX singleton_runs_finished_idx ON dedupworker.singleton_runs (finished_at);
 """
 
-# Webhook delivery (dedupworker/webhooks.py, docs/webhooks.md). Its own schema: an optional
+# Webhook delivery (dedupworker/webhooks/, docs/webhooks.md). Its own schema: an optional
 # feature whose tables can be dropped together.
 _WEBHOOKS = """
 CREATE SCHEMA dedupworker_webhooks;
@@ -100,6 +100,13 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         "ALTER TABLE dedupworker.jobs ADD COLUMN entity jsonb;"
         " COMMENT ON COLUMN dedupworker.jobs.entity IS"
         " 'the entity id given at enqueue (int or text): workers lock it with the claim'",
+    ),
+    (
+        6,
+        "traceback of dead jobs",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN last_traceback text;"
+        " COMMENT ON COLUMN dedupworker.jobs.last_traceback IS"
+        " 'the bounded traceback of what raised when the job was dead-lettered (NULL: none)'",
     ),
 )
 

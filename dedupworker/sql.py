@@ -6,8 +6,9 @@ NOTIFY_CHANNEL = "dedupworker_jobs"
 
 # The claim: one ready job, oldest first, skipping rows other claims hold. It also tries the
 # lock of the entity given at enqueue (NULL when none was given), computed as dedupworker.keys
-# does; the worker checks the entity against its handler's before it trusts the result. The
-# CTE claims one row first: the lock is tried on that row only.
+# does (a string that is the decimal form of an int4 is that int, as an older producer may have
+# stored it); the worker checks the entity against its handler's before it trusts the result.
+# The CTE claims one row first: the lock is tried on that row only.
 _CLAIM_LOCKING = """
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity
@@ -59,6 +60,10 @@ _LOCKS = {
            WHEN jsonb_typeof(entity) = 'number'
                 AND entity::numeric BETWEEN -2147483648 AND 2147483647
                THEN pg_try_advisory_xact_lock(%s::int4, (entity::numeric)::int4)
+           WHEN jsonb_typeof(entity) = 'string'
+                AND entity #>> '{}' ~ '^(0|-?[1-9][0-9]{0,9})$'
+                AND (entity #>> '{}')::numeric BETWEEN -2147483648 AND 2147483647
+               THEN pg_try_advisory_xact_lock(%s::int4, (entity #>> '{}')::int4)
            ELSE pg_try_advisory_xact_lock(%s::int4, hashtext(entity #>> '{}'))
        END""",
     "hash64": """CASE
@@ -93,7 +98,8 @@ WHERE id = %s
 
 DEAD_LETTER = """
 UPDATE dedupworker.jobs
-SET status = 'dead', attempts = attempts + 1, last_error = %s, dead_at = clock_timestamp()
+SET status = 'dead', attempts = attempts + 1, last_error = %s, last_traceback = %s,
+    dead_at = clock_timestamp()
 WHERE id = %s
 """
 
@@ -115,7 +121,8 @@ RETURNING id
 NOTIFY = "SELECT pg_notify(%s, %s)"
 
 LIST_DEAD = """
-SELECT id, queue, attempts, contentions, dead_at, last_error, left(convert_from(body, 'UTF8'), %s)
+SELECT id, queue, attempts, contentions, dead_at, last_error,
+       left(convert_from(body, 'UTF8'), %s), last_traceback
 FROM dedupworker.jobs
 WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
 ORDER BY dead_at, id
@@ -127,7 +134,7 @@ UPDATE dedupworker.jobs
 SET status = 'ready', attempts = 0, contentions = 0, run_at = clock_timestamp(), dead_at = NULL
 WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
   AND (%s::bigint[] IS NULL OR id = ANY(%s))
-RETURNING queue
+RETURNING id, queue
 """
 
 ADVISORY_LOCKS = """

@@ -64,7 +64,13 @@ class Transport(Protocol):
         error: str = "",
     ) -> None: ...
 
-    def dead_letter(self, delivery: Delivery, reason: str, conn: Executor | None) -> None: ...
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
+    ) -> None:
+        """Move the message where dead messages are kept, with its `reason` and, when
+        something raised, the `traceback` of it ('' if none), already bounded by the caller
+        (see `outcomes.format_traceback`; a transport may bound it further to fit its limits).
+        """
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None: ...
 

@@ -23,7 +23,7 @@ from . import metrics
 from ._version import __version__
 from .affinity import pin_process
 from .config import WorkerConfig
-from .db import behind_pooler, connect, describe_dsn, open_pool
+from .db import behind_pooler, connect, describe_dsn, open_pool, retryable, unavailable
 from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
@@ -38,6 +38,11 @@ ERROR_BACKOFF_MAX = 10.0
 STUCK_AFTER = 300.0
 DEPTH_INTERVAL = 15.0
 HOT_LOG_INTERVAL = 60.0
+ENDPOINTS = "/metrics, /healthz, /readyz, /hot"
+INTERRUPTED = (
+    "interrupted by a second Ctrl-C: the in-flight handlers were cut off; their transactions "
+    "roll back and their messages come back to the queue"
+)
 
 
 class Worker:
@@ -54,6 +59,8 @@ class Worker:
         self.handlers = handlers
         # The built-in retention jobs run in every worker; one replica does each tick.
         self.singletons = [*singletons, PurgeLedger(), PurgeDead()]
+        self._own_singletons = [singleton.name for singleton in singletons]
+        self._pooler = "none detected"
         self.scheduler: Scheduler | None = None
         self.config = config
         self.stop_event = threading.Event()
@@ -98,16 +105,20 @@ class Worker:
     def _at_start(self, step: Callable[[], None]) -> None:
         """Run a start-up check again while the database is restarting (until connect_timeout)."""
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(psycopg.OperationalError),
+            retry=tenacity.retry_if_exception(retryable),
             wait=tenacity.wait_random_exponential(multiplier=0.2, max=2.0),
             stop=tenacity.stop_after_delay(self.config.connect_timeout),
             before_sleep=lambda state: log.warning(
-                "start-up check failed (%s); retrying",
+                "start-up check failed (%s); retrying for up to %g s (--connect-timeout)",
                 state.outcome.exception() if state.outcome else "unknown error",
+                self.config.connect_timeout,
             ),
             reraise=True,
         )
-        retrying(step)
+        try:
+            retrying(step)
+        except psycopg.OperationalError as exc:
+            raise unavailable(self.config.dsn, exc, self.config.connect_timeout) from None
 
     def _check_schema(self) -> None:
         assert self._pool is not None
@@ -117,9 +128,11 @@ class Worker:
     def _check_pooler(self) -> None:
         """Detect a transaction pooler at start, rather than fail on LISTEN or prepares later."""
         if self.config.pgbouncer:
+            self._pooler = "assumed (--pgbouncer)"
             return
         connect(self.config.dsn, self.config.connect_timeout).close()
         if behind_pooler(self.config.dsn, prepare_threshold=None):
+            self._pooler = "detected (running as with --pgbouncer)"
             log.warning(
                 "the connections to %s go through a pooler (PgBouncer?): running as with "
                 "--pgbouncer: no prepared statements, no LISTEN (polling every %gs), "
@@ -140,6 +153,7 @@ class Worker:
             self.http = serve(
                 self.config.metrics_port, self.is_healthy, self.is_ready, self.hot_entities
             )
+        log.info("dedupworker %s started: %s", __version__, self._describe())
         with _on_stop(self.stop):
             threads = [
                 threading.Thread(
@@ -161,8 +175,33 @@ class Worker:
                 self._housekeeping()
             abandoned = self._join(threads)
         self.close(wait=not abandoned)
-        self._report()
+        self._report(abandoned)
         return 1 if abandoned else 0
+
+    def _describe(self) -> str:
+        """What the start-up line says: what runs, where, and where to watch it."""
+        handlers = [f"{h.name} (queue {self.queue_for(h)!r})" for h in self.handlers]
+        per = " per handler" if len(self.handlers) > 1 else ""
+        parts = [
+            "handlers " + (", ".join(handlers) or "none"),
+            *(["singletons " + ", ".join(self._own_singletons)] if self._own_singletons else []),
+            f"transport {self.config.transport}",
+            f"concurrency {self.config.concurrency}{per}",
+            f"database {describe_dsn(self.config.dsn)}",
+            f"pooler {self._pooler}",
+            f"metrics on port {self.http.server_port}: {ENDPOINTS}"
+            if self.http
+            else "no metrics port",
+        ]
+        if self.config.drain:
+            parts.append("--drain: exits once nothing is left")
+        return "; ".join(parts)
+
+    def _queues(self) -> str:
+        queues = list(dict.fromkeys(repr(self.queue_for(h)) for h in self.handlers))
+        if not queues:
+            return "no queue (singletons only)"
+        return ("queue " if len(queues) == 1 else "queues ") + ", ".join(queues)
 
     @property
     def observing(self) -> bool:
@@ -286,14 +325,16 @@ class Worker:
             )
         return abandoned
 
-    def _report(self) -> None:
+    def _report(self, abandoned: int = 0) -> None:
         stats = dict(sorted(self.stats.items()))
         elapsed = time.monotonic() - self.started
-        log.info(
-            "stopped after %.1fs: %s",
-            elapsed,
-            ", ".join(f"{k}={v}" for k, v in stats.items()) or "no messages",
-        )
+        counts = ", ".join(f"{k}={v}" for k, v in stats.items()) or "no messages"
+        if abandoned:
+            counts += (
+                f"; {abandoned} handler(s) abandoned at the {self.config.shutdown_timeout:g}s "
+                "deadline (their messages return to the queue)"
+            )
+        log.info("stopped after %.1fs on %s: %s", elapsed, self._queues(), counts)
         if self.config.stats_file:
             with open(self.config.stats_file, "w", encoding="utf-8") as fh:
                 json.dump({"elapsed_seconds": round(elapsed, 3), **stats}, fh)
@@ -308,9 +349,11 @@ def _on_stop(callback: Any) -> Iterator[None]:
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and stopping.is_set():
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(INTERRUPTED)
         stopping.set()
         callback()
+        if signum == signal.SIGINT:
+            log.info("press Ctrl-C again to interrupt the in-flight handlers")
 
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}

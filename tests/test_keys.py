@@ -10,6 +10,7 @@ from dedupworker.keys import (
     InvalidEntity,
     decode_pg_locks_key,
     lock_key,
+    normalize_entity,
 )
 
 
@@ -54,3 +55,21 @@ def test_pg_locks_two_key_rows_decode_to_signed_values(namespace: int, key: int)
 def test_pg_locks_bigint_rows_decode_to_the_signed_bigint(value: int) -> None:
     unsigned = value % 2**64
     assert decode_pg_locks_key(unsigned >> 32, unsigned & 0xFFFFFFFF, 1) == (None, value)
+
+
+@pytest.mark.parametrize("entity", [7, -12, 0, INT4_MAX, INT4_MIN])
+def test_the_decimal_string_of_an_int4_is_that_int(entity: int) -> None:
+    assert lock_key(30, str(entity)) == lock_key(30, entity)
+    assert normalize_entity(str(entity)) == entity
+
+
+@pytest.mark.parametrize("text", ["07", "+7", " 7", "7 ", "-0", "7.0", "1_000", "٣", "0x7"])
+def test_other_spellings_of_a_number_stay_strings(text: str) -> None:
+    assert normalize_entity(text) == text
+    assert lock_key(30, text).params == (30, text)
+
+
+@given(st.integers(INT4_MIN - 10, INT4_MAX + 10))
+def test_an_int_and_its_decimal_string_lock_one_key_in_every_mode(value: int) -> None:
+    for mode in ("int4", "hash64"):
+        assert lock_key(30, str(value), mode).params == lock_key(30, value, mode).params

@@ -492,3 +492,28 @@ def wait_for(done: Callable[[], bool], limit: float = 30) -> None:
     while not done():
         assert time.monotonic() < deadline, "never happened"
         time.sleep(0.05)
+
+
+@pytest.mark.acceptance
+def test_an_entity_given_as_a_number_and_as_a_string_never_overlaps(
+    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    # JSON producers drift between 7 and "7": one entity, one lock, across two processes.
+    copies = 6 if aws.kind == "ministack" else 3
+    queues = aws.queues()
+    bodies = [
+        json.dumps({"entity": form, "work_ms": 40})
+        for _ in range(copies)
+        for form in (7, "7", -12, "-12")
+    ]
+    send_batches(aws, queues.url, bodies)
+    procs = [
+        worker(
+            aws, dsn, queues.url, "examples.recorder:RecordCalls", "--concurrency", "4", "--drain"
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    assert_each_once(conn, len(bodies))

@@ -89,6 +89,7 @@ PRODUCER_DEFAULTS = {"acks": "all", "enable.idempotence": True, "message.timeout
 
 KEY = "key"
 REASON = "dedupworker.reason"
+TRACEBACK = "dedupworker.traceback"  # on dead letters, when something raised
 
 Key = bytes | int
 
@@ -412,9 +413,11 @@ class KafkaTransport:
             item.attempt += 1
         self._buffer.retry(item, delay)
 
-    def dead_letter(self, delivery: Delivery, reason: str, conn: Any) -> None:
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: Any, *, traceback: str = ""
+    ) -> None:
         item: _Pending = delivery.receipt
-        failure = self._produce_dead_letter(item, reason)
+        failure = self._produce_dead_letter(item, reason, traceback)
         if failure is None:
             self._buffer.finish(item)
             return
@@ -602,7 +605,7 @@ class KafkaTransport:
         if topic is None or topic.error is not None:
             log.warning("topic %r does not exist (yet); waiting for it to be created", self.topic)
 
-    def _produce_dead_letter(self, item: _Pending, reason: str) -> str | None:
+    def _produce_dead_letter(self, item: _Pending, reason: str, traceback: str) -> str | None:
         """Produce to the dead-letter topic and wait for the delivery report; None on success."""
         reports: list[Any] = []
         headers = [
@@ -613,6 +616,8 @@ class KafkaTransport:
             ("dedupworker.offset", str(item.offset).encode()),
             ("dedupworker.attempt", str(item.attempt).encode()),
         ]
+        if traceback:
+            headers.append((TRACEBACK, traceback.encode()))
         try:
             self._producer.produce(
                 self.dead_letter_topic,

@@ -12,7 +12,7 @@ from psycopg_pool import ConnectionPool
 from .. import metrics, sql
 from ..config import WorkerConfig
 from ..db import connection_kwargs
-from ..keys import KeyMode
+from ..keys import KeyMode, normalize_entity
 from ..message import Message
 from ..transport import Delivery
 from ..wire import Executor, Rows
@@ -48,7 +48,7 @@ class PostgresTransport:
         of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
         with `skip` passes over jobs whose given entity is locked, if it can."""
         namespace, mode = lock
-        namespaces = (namespace, namespace) if mode == "int4" else (namespace,)  # see the SQL
+        namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         if skip:
             return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
         return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
@@ -70,7 +70,9 @@ class PostgresTransport:
             message, contentions=contentions, receipt=job_id, contended_since=contended_since
         )
         if given:
-            delivery.given_entity, delivery.given_locked = given
+            entity, delivery.given_locked = given
+            # A str stored as "7" is the entity 7, as the claim's lock took it (see keys).
+            delivery.given_entity = normalize_entity(entity) if type(entity) is str else entity
         return delivery
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None:
@@ -90,8 +92,10 @@ class PostgresTransport:
         else:
             _require(conn).execute(sql.REQUEUE_FAILED, (delay, error, delivery.receipt))
 
-    def dead_letter(self, delivery: Delivery, reason: str, conn: Executor | None) -> None:
-        _require(conn).execute(sql.DEAD_LETTER, (reason, delivery.receipt))
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
+    ) -> None:
+        _require(conn).execute(sql.DEAD_LETTER, (reason, traceback or None, delivery.receipt))
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
         """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout`."""

@@ -40,18 +40,22 @@ from .. import metrics
 from ..config import WorkerConfig
 from ..errors import ConfigurationError, TransportError
 from ..message import Message
+from ..outcomes import bound_text
 from ..transport import Delivery
 
 log = logging.getLogger("dedupworker")
 
 STATE = "dedupworker"  # {"id", "attempts", "contentions", "since"}: what a copy carries
 REASON = "dedupworker-reason"  # on dead-lettered messages
+TRACEBACK = "dedupworker-traceback"  # on dead-lettered messages, when something raised
 BATCH = 10  # SQS's limit for receive, delete and change-visibility batches
 MAX_ATTRIBUTES = 10
 MAX_DELAY = 900
 MAX_VISIBILITY = 43200
 MAX_WAIT = 20
 REASON_LIMIT = 4096
+TRACEBACK_LIMIT = 4096  # UTF-8 bytes, less if the message's size leaves less room
+MAX_MESSAGE_BYTES = 262_144  # SQS: the body and every attribute's name, type and value
 DEPTH_INTERVAL = 15.0
 LINGER = 0.05  # seconds an acknowledged message may wait for a fuller delete batch
 DEPTH = {
@@ -367,16 +371,22 @@ class SqsTransport:
         else:
             self._retry_in_place(delivery, delay)
 
-    def dead_letter(self, delivery: Delivery, reason: str, conn: Any) -> None:
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: Any, *, traceback: str = ""
+    ) -> None:
         receipt = _receipt(delivery)
         ours = {
             REASON: _string(reason[:REASON_LIMIT] or "dead-lettered"),
             STATE: _State(delivery.message.id).attribute(),
         }
+        attributes = _attributes(receipt.attributes, ours)
+        trace = _fitting(traceback, receipt.body, attributes)
+        if trace and len(attributes) < MAX_ATTRIBUTES:
+            attributes[TRACEBACK] = _string(trace)
         request: dict[str, Any] = {
             "QueueUrl": self.dead_letter_url,
             "MessageBody": receipt.body,
-            "MessageAttributes": _attributes(receipt.attributes, ours),
+            "MessageAttributes": attributes,
         }
         if self.dead_letter_url.endswith(".fifo"):
             request["MessageGroupId"] = receipt.group or STATE
@@ -742,12 +752,28 @@ def _attributes(received: dict[str, Any], ours: dict[str, dict[str, str]]) -> di
     sendable = {
         name: {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
         for name, value in received.items()
-        if name not in (STATE, REASON)
+        if name not in (STATE, REASON, TRACEBACK)
     }
     for name, value in ours.items():
         if len(sendable) < MAX_ATTRIBUTES:
             sendable[name] = value
     return sendable
+
+
+def _fitting(traceback: str, body: str, attributes: dict[str, Any]) -> str:
+    """The traceback within TRACEBACK_LIMIT and within what the body and the other attributes
+    leave of the message size limit ('' if nothing fits): a large body still dead-letters."""
+    room = MAX_MESSAGE_BYTES - _size(body, attributes) - len(TRACEBACK) - len("String")
+    return bound_text(traceback, min(TRACEBACK_LIMIT, room))
+
+
+def _size(body: str, attributes: dict[str, Any]) -> int:
+    """The bytes SQS counts toward MAX_MESSAGE_BYTES."""
+    size = len(body.encode())
+    for name, value in attributes.items():
+        size += len(name.encode()) + len(value["DataType"].encode())
+        size += len(value.get("StringValue", "").encode()) + len(value.get("BinaryValue", b""))
+    return size
 
 
 def _string(value: str) -> dict[str, str]:
