@@ -50,8 +50,8 @@ from confluent_kafka import Consumer
 from bench.postgres_throughput import children_cpu, self_cpu, table
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
-from tests.kafka_server import FAST_GROUP, Tansu, tansu_binary
-from tests.sqs_server import SqsServer
+from tests.support.kafka_server import FAST_GROUP, Tansu, tansu_binary
+from tests.support.sqs_server import SqsServer
 
 REPO = Path(__file__).resolve().parent.parent
 SCOPE = "Noop"  # the dedup ledger scope of bench.noop.Noop (its class name)

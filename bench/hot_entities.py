@@ -46,7 +46,7 @@ def entity_of(message: Message) -> object:
 
 
 def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
-    workers = Workers(args.processes, args.cpu, args.handler)
+    workers = Workers(args.processes, args.cpu, args.handler, args.tree)
     wall, _, stats = spawn_worker(dsn, "hot", args.concurrency, workers)
     return wall, stats
 

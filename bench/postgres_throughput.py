@@ -156,6 +156,13 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         help="run the worker with --cpu CPU (all its threads on that CPU; with --processes, "
         "the next processes on the next CPUs)",
     )
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO,
+        help="run the worker of this source tree (e.g. a `git worktree` of another commit; "
+        "see bench/trees.py)",
+    )
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -263,6 +270,7 @@ class Workers:
     processes: int = 1
     cpu: int | None = None
     handler: str = "bench.noop:Noop"
+    tree: Path = REPO  # whose `dedupworker` runs: `python -m` imports it from the cwd
 
     def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
         command = [
@@ -292,7 +300,7 @@ def spawn_worker(
         for i, command in enumerate(commands):
             # Logs to a file each: a full pipe would stall a worker while another is read.
             with open(Path(tmp) / f"worker{i}.log", "wb") as log:
-                procs.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
+                procs.append(subprocess.Popen(command, cwd=workers.tree, stdout=log, stderr=log))
         codes = [proc.wait() for proc in procs]
         wall, cpu = time.perf_counter() - started, children_cpu() - cpu
         for i, code in enumerate(codes):
@@ -440,7 +448,7 @@ def run_level(
 def run_all(dsn: str, args: argparse.Namespace) -> tuple[list[str], list[list[Row]]]:
     """`rounds` sweeps; each sweep runs A, B, C at one concurrency before the next one."""
     queue = f"bench_{os.getpid()}"
-    workers = Workers(args.processes, args.cpu)
+    workers = Workers(args.processes, args.cpu, tree=args.tree)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         header = machine(conn)

@@ -29,8 +29,8 @@ from dedupworker import Message, enqueue
 from dedupworker.checking import check, create_tables, overlapping_calls
 from dedupworker.embedded import LocalPostgres, find_local_bindir
 from dedupworker.schema import migrate
-from tests.pgbouncer import PgBouncer
-from tests.proxy import Proxy
+from tests.support.pgbouncer import PgBouncer
+from tests.support.proxy import Proxy
 
 REPO = Path(__file__).resolve().parent.parent
 HANDLERS = {False: "dedupworker.checking:CheckedHandler", True: "bench.soak_ledger:CheckedLedger"}

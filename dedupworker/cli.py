@@ -3,30 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import admin
 from ._version import __version__
+from .config import WorkerConfig
 from .errors import ConfigurationError, DedupWorkerError
-
-if TYPE_CHECKING:
-    from .handler import Handler
-    from .message import Message
+from .transports import TRANSPORTS, Setting, options_class, settings_of
 
 Command = Callable[[argparse.Namespace], int]
 TRUE = {"1", "true", "yes", "on"}
 LOG_FORMATS = ("text", "json")
+# WorkerConfig's defaults and help are its flags' (dsn has no default).
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig) if f.name != "dsn"}
+HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(WorkerConfig)}
 
 
 def env_name(flag: str) -> str:
     return "DEDUPWORKER_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+def add_option(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
     """An option whose default comes from DEDUPWORKER_<FLAG>, shown in --help."""
+    flag = flags[-1]
     env = env_name(flag)
     raw = os.environ.get(env)
     if kwargs.get("action") == "store_true":
@@ -36,11 +41,11 @@ def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> Non
     default = kwargs.get("default")
     shown = "" if default in (None, False, "") or flag == "--dsn" else f", default: {default}"
     kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}{shown}]"
-    parser.add_argument(flag, **kwargs)
+    parser.add_argument(*flags, **kwargs)
 
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, "--dsn", help="PostgreSQL connection string (libpq URL or key=value)")
+    add_option(parser, "--dsn", help=HELP["dsn"])
 
 
 def add_connect_options(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +54,8 @@ def add_connect_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--connect-timeout",
         type=float,
-        default=30.0,
-        help="seconds to keep retrying an unreachable database",
+        default=DEFAULTS["connect_timeout"],
+        help=HELP["connect_timeout"],
     )
 
 
@@ -102,114 +107,109 @@ def _add_run(sub: Any) -> None:
         metavar="MODULE:CLASS",
         help="Handler (and Singleton) classes, e.g. myservice.handlers:DeliverWebhook",
     )
+    transports = tuple(TRANSPORTS)
     add_option(
-        p,
-        "--transport",
-        default="postgres",
-        choices=("postgres", "sqs", "kafka"),
-        help="message source",
+        p, "--transport", default=DEFAULTS["transport"], choices=transports, help=HELP["transport"]
     )
     add_connect_options(p)
-    add_option(p, "--queue", default="default", help="queue name (sqs: queue URL; kafka: topic)")
-    add_option(
-        p,
-        "--concurrency",
-        type=int,
-        default=4,
-        help="handler threads per handler (each holds one pooled connection)",
-    )
-    add_option(
-        p,
-        "--metrics-port",
-        type=int,
-        help="serve /metrics (Prometheus), /healthz (alive), /readyz (database reachable) and "
-        "/hot (JSON: the most contended entity keys per handler) on this port; 0 picks a free one",
-    )
-    add_option(
-        p, "--drain", action="store_true", help="exit 0 once nothing is ready, delayed or in flight"
-    )
-    add_option(
-        p,
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight handlers get to finish after SIGTERM",
-    )
-    add_option(
-        p,
-        "--poll-interval",
-        type=float,
-        default=1.0,
-        help="seconds between polls when no NOTIFY arrives",
-    )
-    add_option(
-        p,
-        "--pgbouncer",
-        action="store_true",
-        help="connections go through a transaction-mode pooler: "
-        "no prepared statements, no LISTEN (polling only)",
-    )
-    add_option(p, "--stats-file", help="write the final outcome counts as JSON here on exit")
-    add_option(
-        p,
-        "--cpu",
-        type=int,
-        help="Linux: run all of the worker's threads on this one CPU (GIL hand-offs between "
-        "handler threads stay on one core; see docs/tuning.md)",
-    )
-    add_option(
-        p,
-        "--ledger-retention",
-        type=float,
-        default=7 * 86400.0,
-        help="seconds to keep dedup keys in the ledger",
-    )
-    add_option(
-        p,
-        "--dead-retention",
-        type=float,
-        default=14 * 86400.0,
-        help="seconds to keep dead jobs (0: forever)",
-    )
+    for name, kind, help_text in run_fields():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            add_option(p, flag, action="store_true", help=help_text)
+        else:
+            add_option(p, flag, type=kind, default=DEFAULTS[name], help=help_text)
     _add_transport_options(p)
     p.set_defaults(func=cmd_run)
 
 
+def run_fields() -> list[tuple[str, type, str]]:
+    """WorkerConfig's fields that only `run` has: name, value type and help."""
+    hints = typing.get_type_hints(WorkerConfig)
+    return [
+        (f.name, _kind(hints[f.name]), f.metadata["help"])
+        for f in dataclasses.fields(WorkerConfig)
+        if f.metadata.get("run")
+    ]
+
+
+def _kind(hint: Any) -> type:
+    """`X | None` is X."""
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return typing.cast(type, args[0] if args else hint)
+
+
+def transport_flags() -> dict[str, dict[str, Setting]]:
+    """Each transport option's flag -> {transport: its options field}, in the registry's order;
+    one flag may be a field of several transports (--dead-letter)."""
+    flags: dict[str, dict[str, Setting]] = {}
+    for name in TRANSPORTS:
+        for setting in settings_of(options_class(name)):
+            flags.setdefault(setting.flag, {})[name] = setting
+    return flags
+
+
 def _add_transport_options(p: argparse.ArgumentParser) -> None:
-    add_option(
-        p,
-        "--dead-letter",
-        help="sqs: dead-letter queue URL (default: the redrive policy's); "
-        "kafka: dead-letter topic (default: <topic>.dlq)",
-    )
-    add_option(
-        p,
-        "--visibility-timeout",
-        type=float,
-        help="sqs: seconds a received message stays hidden (default: the queue's)",
-    )
-    add_option(
-        p,
-        "--prefetch",
-        type=int,
-        default=9,
-        help="sqs: messages a worker may receive beyond its idle threads, kept invisible "
-        "while they wait (0-9; lower it for slow handlers and many workers)",
-    )
-    add_option(p, "--bootstrap-servers", help="kafka: HOST:PORT[,HOST:PORT...]")
-    add_option(p, "--group-id", help="kafka: consumer group")
+    p.set_defaults(transport_flags_given=frozenset())
+    for flag, fields in transport_flags().items():
+        setting, *others = fields.values()
+        # One flag, one argument: the transports that share it must agree on what it is.
+        assert all(
+            (o.name, o.kind, o.default) == (setting.name, setting.kind, setting.default)
+            for o in others
+        ), f"{flag} differs between {', '.join(fields)}"
+        text = "; ".join(f"{name}: {field.help}" for name, field in fields.items())
+        flags = (setting.short, flag) if setting.short else (flag,)
+        if setting.kind is dict:
+            _add_pairs(p, flags, setting, text)
+        else:
+            add_option(
+                p,
+                *flags,
+                action=_Given,
+                type=setting.kind,
+                default=setting.default,
+                dest=setting.name,
+                metavar=setting.metavar,
+                help=text,
+            )
+
+
+def _add_pairs(
+    p: argparse.ArgumentParser, flags: tuple[str, ...], setting: Setting, text: str
+) -> None:
     # Repeatable, so its environment variable is merged in _config (argparse cannot append
     # to a default taken from the environment).
     p.add_argument(
-        "-X",
-        "--kafka-option",
+        *flags,
         type=key_value,
-        action="append",
-        dest="kafka_options",
-        metavar="KEY=VALUE",
-        help="kafka: extra librdkafka setting, repeatable "
-        "[env: DEDUPWORKER_KAFKA_OPTION as KEY=VALUE,KEY=VALUE]",
+        action=_GivenPairs,
+        dest=setting.name,
+        metavar=setting.metavar,
+        help=f"{text}, repeatable [env: {env_name(setting.flag)} as KEY=VALUE,KEY=VALUE]",
     )
+
+
+class _Given(argparse.Action):
+    """Stores a transport option's value and notes that the command line gave it (one given
+    for another transport than --transport is refused; one from the environment is not)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, self.value(namespace, values))
+        namespace.transport_flags_given |= {self.option_strings[-1]}
+
+    def value(self, namespace: argparse.Namespace, values: Any) -> Any:
+        return values
+
+
+class _GivenPairs(_Given):
+    def value(self, namespace: argparse.Namespace, values: Any) -> Any:
+        return [*(getattr(namespace, self.dest) or []), values]
 
 
 def key_value(text: str) -> list[tuple[str, str]]:
@@ -232,7 +232,7 @@ def _add_migrate(sub: Any) -> None:
 def _add_enqueue(sub: Any) -> None:
     p = command(sub, "enqueue", help="enqueue JSON lines from stdin, one message per line")
     add_connect_options(p)
-    add_option(p, "--queue", default="default", help="queue name")
+    add_option(p, "--queue", default=DEFAULTS["queue"], help="queue name")
     add_option(p, "--delay", type=float, default=0.0, help="seconds before the messages run")
     add_option(
         p,
@@ -258,7 +258,7 @@ def _add_dead(sub: Any) -> None:
     ls = command(dead, "list", help="dead jobs with their errors")
     add_connect_options(ls)
     add_option(ls, "--queue", help="only this queue")
-    add_option(ls, "--limit", type=int, default=50, help="at most this many jobs")
+    add_option(ls, "--limit", type=int, default=admin.DEAD_LIMIT, help="at most this many jobs")
     add_option(ls, "--json", action="store_true", help="one JSON object per line")
     ls.set_defaults(func=cmd_dead_list)
     rq = command(dead, "requeue", help="make dead jobs ready again (attempts reset)")
@@ -279,39 +279,46 @@ def _add_demo(sub: Any) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from .config import WorkerConfig
-
-    return WorkerConfig(
-        dsn=args.dsn or "",
-        queue=args.queue,
-        transport=args.transport,
-        concurrency=args.concurrency,
-        drain=args.drain,
-        shutdown_timeout=args.shutdown_timeout,
-        poll_interval=args.poll_interval,
-        connect_timeout=args.connect_timeout,
-        pgbouncer=args.pgbouncer,
-        metrics_port=args.metrics_port,
-        stats_file=args.stats_file,
-        ledger_retention=args.ledger_retention,
-        dead_retention=args.dead_retention,
-        dead_letter=args.dead_letter,
-        visibility_timeout=args.visibility_timeout,
-        prefetch=args.prefetch,
-        bootstrap_servers=args.bootstrap_servers,
-        group_id=args.group_id,
-        kafka_options=_merge_pairs(args.kafka_options),
-        cpu=args.cpu,
-    )
+def _config(args: argparse.Namespace) -> WorkerConfig:
+    """The config of `run`: WorkerConfig's fields from their flags, the options of --transport
+    from theirs."""
+    _refuse_other_transports(args)
+    kind = options_class(args.transport)
+    options = kind(**{s.name: _option_value(args, s) for s in settings_of(kind)})
+    parsed = vars(args)
+    names = [f.name for f in dataclasses.fields(WorkerConfig) if f.name in parsed]
+    return WorkerConfig(**{name: parsed[name] for name in names}, options=options)
 
 
-def _merge_pairs(from_flags: list[list[tuple[str, str]]] | None) -> dict[str, str]:
-    """Settings from DEDUPWORKER_KAFKA_OPTION, then each -X on the command line over them."""
+def _option_value(args: argparse.Namespace, setting: Setting) -> Any:
+    value = getattr(args, setting.name)
+    return _merge_pairs(env_name(setting.flag), value) if setting.kind is dict else value
+
+
+def _refuse_other_transports(args: argparse.Namespace) -> None:
+    """A transport option on the command line that --transport does not take is a mistake
+    (one from the environment is not: an environment may be shared by several workers)."""
+    flags = transport_flags()
+    for flag in sorted(args.transport_flags_given, key=list(flags).index):
+        owners = list(flags[flag])
+        if args.transport in owners:
+            continue
+        short = flags[flag][owners[0]].short
+        shown = f"{short}/{flag}" if short else flag
+        plural = "s" if len(owners) > 1 else ""
+        raise ConfigurationError(
+            f"{shown} is an option of the {' and '.join(owners)} transport{plural}, not of "
+            f"--transport {args.transport}: drop {shown} or pass --transport "
+            f"{' or '.join(owners)}"
+        )
+
+
+def _merge_pairs(env: str, from_flags: list[list[tuple[str, str]]] | None) -> dict[str, str]:
+    """Settings from the variable `env`, then each one given on the command line over them."""
     try:
-        merged = dict(key_value(os.environ.get("DEDUPWORKER_KAFKA_OPTION", "")))
+        merged = dict(key_value(os.environ.get(env, "")))
     except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"DEDUPWORKER_KAFKA_OPTION: {exc}") from None
+        raise ConfigurationError(f"{env}: {exc}") from None
     for pairs in from_flags or []:
         merged.update(pairs)
     return merged
@@ -350,42 +357,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
     from .handler import load_handler
-    from .producer import enqueue
-    from .schema import check_schema
 
-    bodies = []
-    for number, raw in enumerate(sys.stdin.buffer, start=1):
-        line = raw.rstrip(b"\r\n")
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except ValueError as exc:
-            # Enqueued anyway: the worker dead-letters it with a reason, nothing is dropped.
-            print(
-                f"warning: line {number} is not valid JSON ({exc}); enqueued as is", file=sys.stderr
-            )
-        bodies.append(line)
-    entity = None if args.entity_of is None else _entity_of(load_handler(args.entity_of))
+    lines = admin.read_json_lines(sys.stdin.buffer)
+    for warning in lines.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    handler = None if args.entity_of is None else load_handler(args.entity_of)
     with _connect(args) as conn:
-        check_schema(conn)
-        ids = enqueue(conn, args.queue, bodies, delay=args.delay, entity=entity)
+        ids = admin.enqueue_lines(conn, args.queue, lines, delay=args.delay, entity_of=handler)
     print(f"enqueued {len(ids)} message(s) on queue {args.queue!r}")
     return 0
-
-
-def _entity_of(handler: Handler) -> Callable[[Message], object]:
-    """The handler's entity_id, None (no entity stored) where it fails: the worker meets that
-    message without one and dead-letters it with the reason, as it would have anyway."""
-    from .keys import normalize_entity
-
-    def entity(message: Message) -> object:
-        try:
-            return normalize_entity(handler.entity_id(message))
-        except Exception:
-            return None
-
-    return entity
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
@@ -402,47 +382,33 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 
 def cmd_dead_list(args: argparse.Namespace) -> int:
-    from . import sql
-    from .schema import check_schema
-
     with _connect(args) as conn:
-        check_schema(conn)
-        rows = conn.execute(sql.LIST_DEAD, (200, args.queue, args.queue, args.limit)).fetchall()
-    keys = ("id", "queue", "attempts", "contentions", "dead_at", "error", "body", "traceback")
-    for row in rows:
-        item = dict(zip(keys, row, strict=True))
-        if args.json:
-            print(json.dumps(item, default=str))
-            continue
-        trace = "".join(f"\n    {line}" for line in (item["traceback"] or "").splitlines())
-        print(
-            f"#{item['id']} [{item['queue']}] {item['dead_at']:%Y-%m-%d %H:%M:%S} "
-            f"attempts={item['attempts']}: {item['error']}{trace}\n    body: {item['body']}"
-        )
-    if not rows and not args.json:
+        jobs = admin.list_dead(conn, args.queue, args.limit)
+    for job in jobs:
+        print(json.dumps(job.as_dict(), default=str) if args.json else _dead_job(job))
+    if not jobs and not args.json:
         print("no dead jobs")
     return 0
 
 
-def cmd_dead_requeue(args: argparse.Namespace) -> int:
-    from . import sql
-    from .schema import check_schema
+def _dead_job(job: admin.DeadJob) -> str:
+    trace = "".join(f"\n    {line}" for line in (job.traceback or "").splitlines())
+    return (
+        f"#{job.id} [{job.queue}] {job.dead_at:%Y-%m-%d %H:%M:%S} "
+        f"attempts={job.attempts}: {job.error}{trace}\n    body: {job.body}"
+    )
 
+
+def cmd_dead_requeue(args: argparse.Namespace) -> int:
     if not args.ids and not args.all:
         raise ConfigurationError("say which dead jobs to requeue: --id N (repeatable) or --all")
-    with _connect(args) as conn, conn.transaction():
-        check_schema(conn)
-        rows = conn.execute(
-            sql.REQUEUE_DEAD, (args.queue, args.queue, args.ids, args.ids)
-        ).fetchall()
-        for queue in {row[1] for row in rows}:
-            conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
-    print(f"requeued {len(rows)} dead job(s)")
-    missing = sorted(set(args.ids or ()) - {row[0] for row in rows})
-    if not missing:
+    with _connect(args) as conn:
+        done = admin.requeue_dead(conn, args.ids or "all", args.queue)
+    print(f"requeued {len(done.jobs)} dead job(s)")
+    if not done.missing:
         return 0
     where = f" in queue {args.queue!r}" if args.queue else ""
-    ids = ("id " if len(missing) == 1 else "ids ") + ", ".join(map(str, missing))
+    ids = ("id " if len(done.missing) == 1 else "ids ") + ", ".join(map(str, done.missing))
     print(
         f"dedupworker: error: no dead job{where} with {ids}; "
         "`dedupworker dead list` shows the dead jobs",

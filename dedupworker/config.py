@@ -1,11 +1,19 @@
-"""Worker settings, validated in one place (the CLI fills them from flags and DEDUPWORKER_*)."""
+"""Worker settings, validated in one place (the CLI fills them from flags and DEDUPWORKER_*).
+
+WorkerConfig holds what every worker has; the transport's own settings are its `options`, a
+dataclass that the transport declares (dedupworker.transports.TRANSPORTS).
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .errors import ConfigurationError
+from .transports import TransportOptions, options_class
+
+Options = TypeVar("Options", bound=TransportOptions)
 
 _QUEUE_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
 
@@ -19,45 +27,55 @@ def check_queue_name(name: str) -> None:
         )
 
 
+def _flag(default: Any, help: str, *, run: bool = True) -> Any:
+    """A field with the help of its `dedupworker run` flag (--field-name); `run=False`: a flag
+    that other commands share, which the command line declares itself."""
+    return field(default=default, metadata={"help": help, "run": run})
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
-    dsn: str
-    queue: str = "default"
-    transport: str = "postgres"
-    concurrency: int = 4
-    drain: bool = False
-    shutdown_timeout: float = 30.0
-    poll_interval: float = 1.0
-    connect_timeout: float = 30.0
-    pgbouncer: bool = False
-    metrics_port: int | None = None
-    stats_file: str | None = None
-    # Seconds to keep dedup keys (the ledger) and dead jobs; 0 keeps dead jobs forever.
-    ledger_retention: float = 7 * 86400.0
-    dead_retention: float = 14 * 86400.0
-    # sqs: the dead-letter queue URL (default: the queue's redrive policy target);
-    # kafka: the dead-letter topic (default: "<topic>.dlq").
-    dead_letter: str | None = None
-    # sqs: seconds a received message stays invisible (default: the queue's setting).
-    visibility_timeout: float | None = None
-    # sqs: messages received beyond the idle threads (a receive asks for at most 10)
-    prefetch: int = 9
-    # kafka
-    bootstrap_servers: str | None = None
-    group_id: str | None = None
-    kafka_options: dict[str, str] = field(default_factory=dict)
-    # Linux: run every thread of the worker on this one CPU (checked by affinity.pin_process).
-    cpu: int | None = None
+    """What every worker has; `dedupworker run` has a flag (and a DEDUPWORKER_* variable) for
+    each field, in this order, with this default and help."""
+
+    dsn: str = _flag("", "PostgreSQL connection string (libpq URL or key=value)", run=False)
+    queue: str = _flag("default", "queue name (sqs: queue URL; kafka: topic)")
+    transport: str = _flag("postgres", "message source", run=False)
+    concurrency: int = _flag(4, "handler threads per handler (each holds one pooled connection)")
+    metrics_port: int | None = _flag(
+        None,
+        "serve /metrics (Prometheus), /healthz (alive), /readyz (database reachable) and /hot "
+        "(JSON: the most contended entity keys per handler) on this port; 0 picks a free one",
+    )
+    drain: bool = _flag(False, "exit 0 once nothing is ready, delayed or in flight")
+    shutdown_timeout: float = _flag(30.0, "seconds in-flight handlers get to finish after SIGTERM")
+    poll_interval: float = _flag(1.0, "seconds between polls when no NOTIFY arrives")
+    connect_timeout: float = _flag(
+        30.0, "seconds to keep retrying an unreachable database", run=False
+    )
+    pgbouncer: bool = _flag(
+        False,
+        "connections go through a transaction-mode pooler: no prepared statements, no LISTEN "
+        "(polling only)",
+    )
+    stats_file: str | None = _flag(None, "write the final outcome counts as JSON here on exit")
+    cpu: int | None = _flag(
+        None,
+        "Linux: run all of the worker's threads on this one CPU (GIL hand-offs between handler "
+        "threads stay on one core; see docs/tuning.md)",
+    )
+    ledger_retention: float = _flag(7 * 86400.0, "seconds to keep dedup keys in the ledger")
+    dead_retention: float = _flag(14 * 86400.0, "seconds to keep dead jobs (0: forever)")
+    # The transport's settings, e.g. SqsOptions(dead_letter=...) with transport="sqs";
+    # None: that transport's defaults. Never None once the config is built.
+    options: TransportOptions | None = field(default=None, metadata={"run": False})
 
     def __post_init__(self) -> None:
         if not self.dsn:
             raise ConfigurationError("no database given: pass --dsn or set DEDUPWORKER_DSN")
         if not self.queue:
             raise ConfigurationError("no queue given: pass --queue or set DEDUPWORKER_QUEUE")
-        if self.transport == "postgres":
-            check_queue_name(self.queue)
-        if not 0 <= self.prefetch <= 9:
-            raise ConfigurationError(f"--prefetch must be 0..9, got {self.prefetch}")
+        self._check_options()
         if self.concurrency < 1:
             raise ConfigurationError(f"--concurrency must be >= 1, got {self.concurrency}")
         for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):
@@ -70,3 +88,23 @@ class WorkerConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigurationError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+
+    def _check_options(self) -> None:
+        kind = options_class(self.transport)
+        if self.options is None:
+            object.__setattr__(self, "options", kind())  # frozen: set once, while building
+        elif not isinstance(self.options, kind):
+            raise ConfigurationError(
+                f"transport={self.transport!r} takes options={kind.__name__}(...), "
+                f"got {type(self.options).__name__}: pass the options of that transport"
+            )
+        self.transport_options(kind).check_queue(self.queue)
+
+    def transport_options(self, kind: type[Options]) -> Options:
+        """The options, as the transport that reads them declares them."""
+        if not isinstance(self.options, kind):
+            raise ConfigurationError(
+                f"the {kind.__name__} of transport {self.transport!r} are not in this config "
+                f"(it has {type(self.options).__name__})"
+            )
+        return self.options

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -9,6 +10,7 @@ from typing import Any
 
 import psycopg
 import tenacity
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from . import wire
@@ -192,6 +194,14 @@ def open_pool(
     )
     pool.open(wait=True, timeout=timeout)
     return pool
+
+
+def give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:
+    """After an error: roll back whatever is open, and always return the connection."""
+    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+    pool.putconn(conn)
 
 
 def fetch_flag(cursor: Rows) -> bool:

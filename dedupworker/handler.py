@@ -6,7 +6,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import psycopg
 import tenacity
@@ -15,9 +15,7 @@ from tenacity.wait import wait_base
 from .errors import ConfigurationError, HandlerNotFound
 from .keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
 from .message import Message
-
-if TYPE_CHECKING:
-    from .outcomes import Outcome
+from .outcomes import Outcome
 
 
 class Handler:

@@ -6,14 +6,27 @@ import enum
 import re
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import Reject, RetryLater
 
 if TYPE_CHECKING:
-    from .handler import Handler
     from .transport import Delivery, Transport
     from .wire import Executor
+
+
+class Policy(Protocol):
+    """What the decisions read of a handler (`dedupworker.Handler` is one)."""
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    @property
+    def contention_budget(self) -> int | None: ...
+
+    def retry_delay(self, attempt: int) -> float: ...
+
+    def contention_delay(self, contentions: int) -> float: ...
 
 
 class Outcome(enum.StrEnum):
@@ -89,7 +102,7 @@ def on_bad_entity(exc: Exception) -> Verdict:
     )
 
 
-def on_contended(handler: Handler, delivery: Delivery) -> Verdict:
+def on_contended(handler: Policy, delivery: Delivery) -> Verdict:
     """Another worker holds the entity: wait and try again, apart from max_attempts."""
     contentions = delivery.contentions + 1
     budget = handler.contention_budget
@@ -102,7 +115,7 @@ def on_contended(handler: Handler, delivery: Delivery) -> Verdict:
     return Verdict(Outcome.CONTENDED, delay=handler.contention_delay(contentions))
 
 
-def on_failure(handler: Handler, delivery: Delivery, exc: Exception) -> Verdict:
+def on_failure(handler: Policy, delivery: Delivery, exc: Exception) -> Verdict:
     """handle() raised: rejected messages die now, others retry until max_attempts."""
     attempt = delivery.message.attempt
     if isinstance(exc, Reject):

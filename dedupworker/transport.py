@@ -1,23 +1,30 @@
-"""The seam between the runner and a message source, and loading transports by name."""
+"""The seam between the engines and a message source: what every transport does, and the
+capabilities some add, each an explicit Protocol checked once when the worker starts.
+
+    Transport             ack, requeue, dead_letter, wait_for_work, is_drained, close
+    ├── Receives          receive: messages handed over, settled after the transaction (SQS, Kafka)
+    ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
+    ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
+    └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
+
+The transport carries outcomes out; it never decides them (dedupworker.outcomes does).
+"""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .errors import ConfigurationError, TransportError
 from .message import Message
 
 if TYPE_CHECKING:
     import threading
 
-    import psycopg
+    from psycopg_pool import ConnectionPool
 
-    from .config import WorkerConfig
-    from .keys import KeyMode
-    from .wire import Executor, Rows
+    from .engine import Transactions
+    from .handler import Handler
+    from .wire import Executor
 
 
 @dataclass(slots=True)
@@ -26,31 +33,20 @@ class Delivery:
 
     message: Message
     contentions: int = 0
-    receipt: Any = None
+    receipt: Any = None  # the transport's own handle on the message, opaque to the rest
     # Unix time of the message's first contention, if it met one (for the lock-wait metric).
     contended_since: float | None = None
-    # The handler's entity for it once the runner computed it (for logs and hot entities).
-    entity: int | str | None = None
-    # The entity's turn among the worker's threads, held from the lock until after COMMIT.
-    turn: Hashable | None = None
-    # postgres: the entity given at enqueue and whether the claim took its lock (None: none given).
-    given_entity: int | str | None = None
-    given_locked: bool | None = None
 
 
 class Transport(Protocol):
     """What a message source does for the worker; the worker decides, the transport obeys.
 
-    `receive` (its `conn` is None) hands over the next message and settling happens after the
-    handler's transaction committed (SQS, Kafka). A transport whose messages are rows of the
-    database (the postgres queue) implements `ClaimsInTransaction` too and is never asked to
-    `receive`: the runner claims in the message's own transaction, and the settling calls are
-    queued on that transaction's `wire.Batch` before COMMIT.
+    The settling calls get `conn`: the message's transaction (a `wire.Batch` queued before its
+    COMMIT) for a transport that opens its messages' transactions, None for one that settles
+    after the transaction committed.
     """
 
     name: str
-
-    def receive(self, conn: psycopg.Connection[Any] | None) -> Delivery | None: ...
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None: ...
 
@@ -80,41 +76,29 @@ class Transport(Protocol):
 
 
 @runtime_checkable
-class ClaimsInTransaction(Protocol):
-    """What a transport that settles in the transaction adds: its claim, queued on a batch.
+class Receives(Transport, Protocol):
+    """Messages handed over one at a time; settled once the handler's transaction ended."""
 
-    The runner opens the transaction (BEGIN, or a message's COMMIT AND CHAIN) and queues
-    `claim` after it, in the same round trip, so that the next message's transaction begins
-    with no round trip of its own. With `lock` (the handler's namespace and key mode) the claim
-    tries the lock of an entity given at enqueue (`Delivery.given_entity`,
-    `Delivery.given_locked`), and with `skip` it may pass over jobs whose given entity is
-    locked; finding nothing then proves nothing.
-    """
-
-    def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows: ...
-
-    def delivery(self, claimed: Rows) -> Delivery | None: ...
+    def receive(self, conn: None) -> Delivery | None: ...
 
 
-# Transports load lazily by name so that the core never imports boto3 or confluent_kafka.
-TRANSPORTS = {
-    "postgres": ("dedupworker.transports.postgres", "PostgresTransport", None),
-    "sqs": ("dedupworker.transports.sqs", "SqsTransport", "sqs"),
-    "kafka": ("dedupworker.transports.kafka", "KafkaTransport", "kafka"),
-}
+@runtime_checkable
+class OpensTransactions(Protocol):
+    """Messages that are rows of the database: the source opens each message's transaction
+    itself (the claim is part of it) and settles inside it (see transports/postgres/claims.py)."""
+
+    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...
 
 
-def load_transport(name: str, config: WorkerConfig, pool: Any) -> Transport:
-    try:
-        module_name, class_name, extra = TRANSPORTS[name]
-    except KeyError:
-        raise ConfigurationError(
-            f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}"
-        ) from None
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = f"; install it with `pip install 'dedupworker[{extra}]'`" if extra else ""
-        raise TransportError(f"transport {name!r} cannot be loaded: {exc}{hint}") from exc
-    transport: Transport = getattr(module, class_name)(config, pool)
-    return transport
+@runtime_checkable
+class Wakes(Protocol):
+    """Handler threads waiting for work can be woken at once (the worker stops)."""
+
+    def wake_all(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsDepth(Protocol):
+    """Sets the queue-depth gauge when the worker asks (every DEPTH_INTERVAL seconds)."""
+
+    def observe_depth(self) -> None: ...

@@ -24,13 +24,15 @@ from ._version import __version__
 from .affinity import pin_process
 from .config import WorkerConfig
 from .db import behind_pooler, connect, describe_dsn, open_pool, retryable, unavailable
+from .engine import Engine
 from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
 from .runner import Runner
 from .schema import check_schema
 from .singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
-from .transport import load_transport
+from .transport import ReportsDepth, Wakes
+from .transports import load_transport
 
 log = logging.getLogger("dedupworker")
 
@@ -64,7 +66,10 @@ class Worker:
         self.scheduler: Scheduler | None = None
         self.config = config
         self.stop_event = threading.Event()
-        self.runners: list[Runner] = []
+        self.runners: list[Engine] = []
+        # The transports' optional capabilities, found once at start (see dedupworker.transport).
+        self._wakes: list[Wakes] = []
+        self._depths: list[ReportsDepth] = []
         self.started = time.monotonic()
         self.last_progress = time.monotonic()
         self._pool: ConnectionPool[Any] | None = None
@@ -96,6 +101,10 @@ class Worker:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
             self.runners.append(Runner(handler, transport, self._pool, self.observing))
+            if isinstance(transport, Wakes):
+                self._wakes.append(transport)
+            if isinstance(transport, ReportsDepth):
+                self._depths.append(transport)
         if self.observing:
             metrics.POOLS.add(self._pool)
             info = (__version__, self.config.transport, str(self.config.concurrency))
@@ -231,10 +240,8 @@ class Worker:
                 self.config.shutdown_timeout,
             )
         self.stop_event.set()
-        for runner in self.runners:
-            wake = getattr(runner.transport, "wake_all", None)
-            if wake is not None:
-                wake()
+        for transport in self._wakes:
+            transport.wake_all()
 
     def close(self, wait: bool = True) -> None:
         if self.scheduler is not None:
@@ -254,14 +261,14 @@ class Worker:
             total.update(runner.stats)
         return total
 
-    def _loop(self, runner: Runner) -> None:
+    def _loop(self, runner: Engine) -> None:
         try:
             self._serve(runner)
         finally:
             with contextlib.suppress(Exception):
                 runner.release()  # the claim made ahead returns to the queue at once
 
-    def _serve(self, runner: Runner) -> None:
+    def _serve(self, runner: Engine) -> None:
         errors = 0
         while not self.stop_event.is_set():
             try:
@@ -279,7 +286,7 @@ class Worker:
                 )
                 self.stop_event.wait(delay)
 
-    def _once(self, runner: Runner) -> None:
+    def _once(self, runner: Engine) -> None:
         """One message, or (when none was ready) the drain check and a wait for work."""
         worked = runner.step(ahead=not self.stop_event.is_set())
         self.last_progress = time.monotonic()
@@ -297,11 +304,9 @@ class Worker:
         now = time.monotonic()
         if self.observing and now >= self._next_depth:
             self._next_depth = now + DEPTH_INTERVAL
-            for runner in self.runners:
-                observe = getattr(runner.transport, "observe_depth", None)
+            for transport in self._depths:
                 with contextlib.suppress(Exception):
-                    if observe is not None:
-                        observe()
+                    transport.observe_depth()
         if now >= self._next_hot_log:
             self._next_hot_log = now + HOT_LOG_INTERVAL
             for name, top in self.hot_entities().items():

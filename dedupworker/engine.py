@@ -1,0 +1,93 @@
+"""The execution seams: what the worker drives per handler, and what a message's call runs in.
+
+    Worker ── drives, one per handler ──> Engine       step() until stopped or drained
+                                          └── Runner   the per-message transaction engine
+    Runner ── opens and closes each message's transaction through ──> Transactions
+        ├── ReceivedTransactions (dedupworker/received.py): messages handed over (SQS, Kafka)
+        └── ClaimedTransactions (transports/postgres/claims.py): the claim is in the transaction
+
+An engine decides how locks and transactions wrap a handler call; the outcome of a call is
+decided in `dedupworker.outcomes` whatever the engine, and recorded by `dedupworker.recording`.
+Today's engine holds one transaction (and one pooled connection) per call, the lock taken with
+`pg_try_advisory_xact_lock` inside it. Engines to come sit beside it behind `Engine`: one that
+holds session locks on a few lock sessions while calls run with no transaction open, one that
+runs many entities per transaction. docs/architecture.md draws the whole map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import collections
+
+    import psycopg
+
+    from .handler import Handler
+    from .hot import HotEntities
+    from .keys import LockKey
+    from .outcomes import Verdict
+    from .transport import Delivery, Transport
+
+
+class Call:
+    """One message on its way through the runner, with the connection its handler runs on."""
+
+    __slots__ = ("conn", "delivery", "entity", "met_busy", "turn")
+
+    def __init__(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
+        self.delivery = delivery
+        self.conn = conn  # None once given back to the pool (or held for the next claim)
+        # The handler's entity once computed (logs, hot entities).
+        self.entity: int | str | None = None
+        # The entity's turn among the worker's threads, held from the lock until after COMMIT.
+        self.turn: Hashable | None = None
+        # The entity was locked elsewhere or running in this process when the message came.
+        self.met_busy = False
+
+
+class Transactions(Protocol):
+    """How a message's transaction opens and closes around its handler call; the runner calls
+    each method once per message, in this order."""
+
+    def start(self) -> Call | None:
+        """The next message with its connection, its transaction opened as far as the message
+        source opens it (None: nothing ready)."""
+
+    def prelocked(self, call: Call, entity: int | str) -> bool | None:
+        """What starting the message already learnt of `entity`'s lock: taken by it (True),
+        held elsewhere (False), or nothing (None: the runner locks it)."""
+
+    def lock(self, call: Call, key: LockKey | None, dedup_key: str | None) -> tuple[bool, bool]:
+        """Lock `key` (None: `prelocked` said it is ours) and look `dedup_key` up in the ledger,
+        in one round trip: whether the entity is ours, whether the key was seen."""
+
+    def settle(self, call: Call, verdict: Verdict, ahead: bool) -> None:
+        """Record the key, carry the verdict out, end the transaction and give the connection
+        back; with `ahead`, a source that can may claim this thread's next message in the same
+        round trip."""
+
+    def abandon(self, call: Call) -> None:
+        """The database failed mid-call: roll back, give the connection back, and give the
+        message back to its source if it would otherwise wait."""
+
+    def release(self) -> None:
+        """This thread stops: give back what it holds for its next message."""
+
+
+class Engine(Protocol):
+    """What the worker drives: one handler over one transport, stepped by handler threads."""
+
+    handler: Handler
+    transport: Transport
+    hot: HotEntities
+
+    @property
+    def stats(self) -> collections.Counter[str]: ...
+
+    def step(self, ahead: bool = False) -> bool:
+        """Process one message; False when nothing was ready."""
+
+    def release(self) -> None:
+        """Called once by each handler thread when it stops."""

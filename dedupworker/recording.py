@@ -1,0 +1,105 @@
+"""What every engine records of a call's outcome: metrics, counts, hot entities and the log line."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from . import metrics
+from .hot import HotEntities
+from .outcomes import Outcome, Verdict
+
+if TYPE_CHECKING:
+    from .engine import Call
+    from .handler import Handler
+
+log = logging.getLogger("dedupworker")
+
+_VALUES = {outcome: outcome.value for outcome in Outcome}  # without enum's property per call
+_LOG_LEVELS = {Outcome.DEAD_LETTERED: logging.WARNING, Outcome.RETRIED: logging.INFO}
+
+
+class Recorder:
+    """One handler's outcomes over one transport, recorded from every handler thread."""
+
+    def __init__(self, handler: Handler, transport: str, observe: bool) -> None:
+        self.handler = handler
+        self.transport = transport
+        # Prometheus recording costs per message; skipped when nothing serves /metrics.
+        self.observe = observe
+        self.hot = HotEntities()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()
+        self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
+        self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
+        self._counted = {
+            outcome: (
+                metrics.MESSAGES.labels(handler.name, transport, outcome.value),
+                metrics.HANDLER_DURATION.labels(handler.name, outcome.value),
+            )
+            for outcome in Outcome
+        }
+
+    def started(self) -> float:
+        """A call begins: counted in flight; returns its start for `record`."""
+        if self.observe:
+            self._in_flight.inc()
+        return time.perf_counter()
+
+    def ended(self) -> None:
+        if self.observe:
+            self._in_flight.dec()
+
+    def record(self, call: Call, verdict: Verdict, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        if verdict.outcome is Outcome.CONTENDED:
+            self.hot.add(self.describe(call))
+        if self.observe:
+            self._observe(call, verdict, elapsed)
+        outcome = _VALUES[verdict.outcome]
+        with self._stats_lock:
+            self.stats[outcome] += 1
+        level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
+        if log.isEnabledFor(level):
+            self._log(level, call, verdict, elapsed)
+
+    def describe(self, call: Call) -> str:
+        """The message's entity as `namespace:key` (logs, hot entities), '' if unknown."""
+        entity = call.entity
+        return "" if entity is None else f"{self.handler.lock_namespace}:{entity}"
+
+    def _observe(self, call: Call, verdict: Verdict, elapsed: float) -> None:
+        counter, histogram = self._counted[verdict.outcome]
+        counter.inc()
+        histogram.observe(elapsed)
+        since = call.delivery.contended_since
+        if verdict.outcome is Outcome.SUCCEEDED and since is not None:
+            self._lock_wait.observe(max(0.0, time.time() - since))
+
+    def _log(self, level: int, call: Call, verdict: Verdict, elapsed: float) -> None:
+        error = verdict.error  # formatted by the log handler only: the dead letter's, or at DEBUG
+        if error is not None and level < logging.WARNING and not log.isEnabledFor(logging.DEBUG):
+            error = None
+        message, outcome = call.delivery.message, _VALUES[verdict.outcome]
+        log.log(
+            level,
+            "%s message %s (attempt %d): %s%s",
+            self.handler.name,
+            message.id,
+            message.attempt,
+            outcome,
+            f": {verdict.reason}" if verdict.reason else "",
+            exc_info=error,
+            extra={
+                "handler": self.handler.name,
+                "transport": self.transport,
+                "message_id": message.id,
+                "entity": self.describe(call),
+                "outcome": outcome,
+                "attempt": message.attempt,
+                "duration_seconds": round(elapsed, 6),
+            },
+        )

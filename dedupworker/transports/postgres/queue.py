@@ -1,0 +1,176 @@
+"""The postgres queue's transport: its claim statements, its job rows as deliveries, its
+settling statements (queued in the message's transaction), LISTEN wake-ups and queue depth.
+Each message's transaction is opened and closed by `claims.ClaimedTransactions`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ... import metrics, sql
+from ...config import WorkerConfig
+from ...db import connection_kwargs
+from ...keys import KeyMode, normalize_entity
+from ...message import Message
+from ...transport import Delivery
+from ...wire import Executor, Rows
+from .claims import ClaimedTransactions
+
+if TYPE_CHECKING:
+    from ...handler import Handler
+
+log = logging.getLogger("dedupworker")
+
+IN_FLIGHT_RECHECK = 0.05
+
+
+class Job(NamedTuple):
+    """A claimed job's receipt: its id, and the entity given at enqueue with whether the claim
+    took that entity's lock (both None when none was given)."""
+
+    id: int
+    entity: int | str | None
+    locked: bool | None
+
+
+class PostgresTransport:
+    name = "postgres"
+
+    def __init__(self, config: WorkerConfig, pool: ConnectionPool[Any]) -> None:
+        self.config = config
+        self.queue = config.queue
+        self.pool = pool
+        self._wakeup = threading.Condition()
+        self._closed = threading.Event()
+        self._listener: threading.Thread | None = None
+        if not config.pgbouncer:
+            # A transaction pooler accepts LISTEN and never delivers: poll only behind one.
+            self._listener = threading.Thread(
+                target=self._listen, name=f"dedupworker-listen-{self.queue}", daemon=True
+            )
+            self._listener.start()
+
+    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> ClaimedTransactions:
+        """Each message's transaction, opened by its claim (transport.OpensTransactions)."""
+        return ClaimedTransactions(self, handler, pool)
+
+    def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
+        """Queue the claim of one job in the transaction already opened; it tries the lock
+        of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
+        with `skip` passes over jobs whose given entity is locked, if it can."""
+        namespace, mode = lock
+        namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
+        if skip:
+            return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
+
+    def delivery(self, claimed: Rows) -> Delivery | None:
+        """The job `claim` got once its batch ran, or None when none was ready."""
+        row = claimed.fetchone()
+        if row is None:
+            return None
+        job_id, body, headers, attempts, contentions, contended_since, *given = row
+        message = Message(
+            id=str(job_id),
+            body=body,
+            headers={str(k): str(v) for k, v in headers.items()} if headers else {},
+            attempt=attempts + 1,
+            transport=self.name,
+        )
+        entity, locked = given or (None, None)
+        if type(entity) is str:
+            entity = normalize_entity(entity)  # "7" is the entity 7, as the claim locked it
+        job = Job(job_id, entity, locked)
+        return Delivery(message, contentions, job, contended_since)
+
+    @staticmethod
+    def given_lock(delivery: Delivery, entity: int | str) -> bool | None:
+        """What the claim's try of the entity given at enqueue says about `entity`: held
+        (True), held elsewhere (False), or nothing (None: no entity given, or not the
+        handler's own: a stored entity is a hint, never trusted unless equal)."""
+        job: Job = delivery.receipt
+        given = job.entity
+        if job.locked is None or type(given) is not type(entity) or given != entity:
+            return None
+        return job.locked
+
+    def ack(self, delivery: Delivery, conn: Executor | None) -> None:
+        _require(conn).execute(sql.ACK, (delivery.receipt.id,))
+
+    def requeue(
+        self,
+        delivery: Delivery,
+        delay: float,
+        conn: Executor | None,
+        *,
+        contended: bool,
+        error: str = "",
+    ) -> None:
+        if contended:
+            _require(conn).execute(sql.REQUEUE_CONTENDED, (delay, delivery.receipt.id))
+        else:
+            _require(conn).execute(sql.REQUEUE_FAILED, (delay, error, delivery.receipt.id))
+
+    def dead_letter(
+        self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
+    ) -> None:
+        _require(conn).execute(sql.DEAD_LETTER, (reason, traceback or None, delivery.receipt.id))
+
+    def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
+        """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout`."""
+        with self.pool.connection() as conn:
+            row = conn.execute(sql.SECONDS_UNTIL_NEXT, (self.queue,)).fetchone()
+        due = row[0] if row and row[0] is not None else None
+        # A job that is due but could not be claimed is in flight elsewhere: its row goes away
+        # at that commit, which sends no NOTIFY, so look again soon rather than spin.
+        wait = timeout if due is None else min(timeout, max(due, IN_FLIGHT_RECHECK))
+        if stop.is_set():
+            return
+        with self._wakeup:
+            self._wakeup.wait(wait)
+
+    def wake_all(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def observe_depth(self) -> None:
+        """Set dedupworker_queue_depth for this queue (ready, delayed, dead)."""
+        with self.pool.connection() as conn:
+            counts = dict(conn.execute(sql.QUEUE_DEPTH, (self.queue,)).fetchall())
+        for state in ("ready", "delayed", "dead"):
+            metrics.QUEUE_DEPTH.labels(self.name, self.queue, state).set(counts.get(state, 0))
+
+    def is_drained(self) -> bool:
+        """Nothing ready, delayed or in flight (claimed rows exist until their commit)."""
+        with self.pool.connection() as conn:
+            row = conn.execute(sql.COUNT_READY, (self.queue,)).fetchone()
+        return bool(row and row[0] == 0)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.wake_all()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+
+    def _listen(self) -> None:
+        kwargs = connection_kwargs(f"dedupworker-listen:{self.queue}")
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(self.config.dsn, autocommit=True, **kwargs) as conn:
+                    conn.execute(f"LISTEN {sql.NOTIFY_CHANNEL}")
+                    while not self._closed.is_set():
+                        for notify in conn.notifies(timeout=0.25):
+                            if notify.payload == self.queue:
+                                self.wake_all()
+            except psycopg.Error as exc:
+                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                self._closed.wait(self.config.poll_interval)
+
+
+def _require(conn: Executor | None) -> Executor:
+    assert conn is not None, "the postgres transport settles inside the locked transaction"
+    return conn
