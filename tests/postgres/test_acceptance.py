@@ -127,14 +127,21 @@ def test_locks_shows_the_lock_of_a_running_handler(dsn: str, conn: psycopg.Conne
     bodies = json.dumps({"entity": 8675309, "work_ms": 3000}) + "\n"
     bodies += json.dumps({"entity": "inv-17", "work_ms": 3000}) + "\n"
     assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=bodies).returncode == 0
-    proc = worker(dsn, "tests.support.handlers:StartedAndFinished", "--concurrency", "2")
+    proc = worker(
+        dsn,
+        "tests.support.handlers:StartedAndFinished",
+        "--concurrency",
+        "2",
+        "--shutdown-timeout",
+        "20",
+    )
     try:
         wait_until(conn, "SELECT count(*) = 2 FROM test_started")
         result = cli("locks", "--dsn", dsn, "--json")
         table = cli("locks", "--dsn", dsn)
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        stopped(proc, limit=60)
     hashed = scalar(conn, "SELECT hashtext('inv-17')")
     held = {
         (row["namespace"], row["key"], row["state"])
@@ -142,6 +149,16 @@ def test_locks_shows_the_lock_of_a_running_handler(dsn: str, conn: psycopg.Conne
     }
     assert {(41, 8675309, "held"), (41, hashed, "held")} <= held
     assert "NAMESPACE" in table.stdout and "8675309" in table.stdout
+
+
+def stopped(proc: subprocess.Popen[str], limit: float) -> None:
+    """Wait for a worker told to stop; one that does not is killed, and its log fails the test."""
+    try:
+        proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the worker did not stop within {limit:g}s of SIGTERM:\n{err[-3000:]}")
 
 
 def test_dead_jobs_can_be_listed_and_requeued(dsn: str, conn: psycopg.Connection[Any]) -> None:

@@ -1,0 +1,1 @@
+"""A payments service: one handler keeps a balance per account."""
