@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import tenacity
 from psycopg.pq import TransactionStatus
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import wire
 from .errors import DatabaseUnavailable
@@ -192,8 +192,32 @@ def open_pool(
         timeout=timeout,
         configure=functools.partial(wire.configure, prepare=not pgbouncer),
     )
-    pool.open(wait=True, timeout=timeout)
+    try:
+        pool.open(wait=True, timeout=timeout)
+    except PoolTimeout:
+        pool.close(timeout=0.1)
+        raise DatabaseUnavailable(_too_few_connections(dsn, size, timeout)) from None
     return pool
+
+
+def _too_few_connections(dsn: str, size: int, timeout: float) -> str:
+    """Why a pool of `size` did not open: the server's limit and use, when it still answers."""
+    where = describe_dsn(dsn)
+    try:
+        with psycopg.connect(dsn, connect_timeout=2) as conn:
+            row = conn.execute(
+                "SELECT current_setting('max_connections'), count(*) FROM pg_stat_activity"
+                " WHERE backend_type = 'client backend'"
+            ).fetchone()
+        limit = f"it allows max_connections={row[0]} and {row[1]} are in use" if row else ""
+    except psycopg.Error as exc:
+        limit = f"it refuses more ({_first_line(exc).rsplit('FATAL:', 1)[-1].strip()})"
+    return (
+        f"could not open the worker's {size} connections to PostgreSQL at {where} within "
+        f"{timeout:g} s: {limit}. Each handler thread holds one connection for its whole call "
+        "(--concurrency per handler, +1 for the scheduler): lower --concurrency, raise "
+        "max_connections, or spread the threads over more worker processes or databases"
+    )
 
 
 def give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:

@@ -268,3 +268,22 @@ def test_the_demo_hints_after_a_private_postgres_say_how_to_use_a_server_of_ones
     assert "export DEDUPWORKER_DSN='postgresql://USER:PASSWORD@HOST:5432/DBNAME'" in text
     assert "  dedupworker demo\n" in text
     assert "--dsn" not in text  # every command reads DEDUPWORKER_DSN
+
+
+def test_more_threads_than_the_server_allows_fail_with_the_limit_named(dsn: str) -> None:
+    # The suite's server allows 300 connections; 400 handler threads need 401.
+    done = cli(
+        "run",
+        "examples.recorder:RecordCalls",
+        "--dsn",
+        dsn,
+        "--concurrency",
+        "400",
+        "--connect-timeout",
+        "3",
+        "--drain",
+    )
+    assert done.returncode == 1, done.stderr
+    assert "could not open the worker's 401 connections" in done.stderr
+    assert "max_connections=300" in done.stderr and "lower --concurrency" in done.stderr
+    assert "Traceback" not in done.stderr
