@@ -1,9 +1,10 @@
-# syntax=docker/dockerfile:1
 # dedupworker: `docker build -t dedupworker .`, then e.g.
 #   docker run --rm -e DEDUPWORKER_DSN=postgresql://... dedupworker run myservice.handlers:Handler
 # The image holds no configuration and no secrets: everything comes from DEDUPWORKER_*
 # variables (or flags) at run time. Handlers come from your own image built FROM this one
 # (pip install your package), or from the bundled examples/ (examples.recorder:RecordCalls).
+# No `# syntax=` line: nothing here needs more than the Dockerfile frontend built into BuildKit
+# and the legacy builder, and that line makes BuildKit pull a frontend image before building.
 
 ARG PYTHON_VERSION=3.11
 
@@ -17,7 +18,15 @@ COPY pyproject.toml README.md ./
 COPY dedupworker ./dedupworker
 # Every transport's extra (boto3 for sqs, confluent-kafka for kafka), into a virtualenv that
 # the runtime stage copies; a non-editable install, so the source tree stays behind.
-RUN pip install ".[sqs,kafka]"
+# BUILD_CA_CERTS (PEM text, empty by default) is for a build behind a TLS-intercepting proxy:
+# pip trusts it beside the system's CAs in this RUN alone, and only /opt/venv leaves this stage,
+# so the runtime image never holds it (scripts/image-check checks that).
+ARG BUILD_CA_CERTS=""
+RUN if [ -n "$BUILD_CA_CERTS" ]; then \
+        { cat /etc/ssl/certs/ca-certificates.crt; printf '%s\n' "$BUILD_CA_CERTS"; } >/tmp/ca.pem; \
+        export PIP_CERT=/tmp/ca.pem; \
+    fi; \
+    pip install ".[sqs,kafka]" && rm -f /tmp/ca.pem
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 RUN groupadd --system --gid 10001 dedupworker \

@@ -1,4 +1,5 @@
-"""Deployment artifacts, validated offline for real (no Docker engine, no cluster here).
+"""Deployment artifacts, validated offline (no cluster here; scripts/image-check runs the image
+and the compose file for real).
 
 - helm/dedupworker is rendered with helm-python-sdk (the Helm Go SDK, no helm binary) with the
   default values and with every optional part on; every manifest is checked against the
