@@ -178,7 +178,8 @@ def open_pool(
     dsn: str, size: int, timeout: float, *, pgbouncer: bool = False, name: str = "dedupworker"
 ) -> ConnectionPool[Any]:
     """A fixed-size pool, opened only after one connection proved the database reachable."""
-    # Autocommit: the runner sends BEGIN/COMMIT itself (see dedupworker.runner). Prepared
+    # Autocommit: BEGIN/COMMIT are sent by each source's transactions (dedupworker.received,
+    # transports/postgres/claims.py). Prepared
     # statements (none behind a pooler) are settled per connection by `wire.configure`.
     kwargs = {**connection_kwargs(name), "autocommit": True}
     connect(dsn, timeout, **kwargs).close()

@@ -48,8 +48,9 @@ class Call:
 
 
 class Transactions(Protocol):
-    """How a message's transaction opens and closes around its handler call; the runner calls
-    each method once per message, in this order."""
+    """How a message's transaction opens and closes around its handler call. Per message the
+    runner calls `start`, then `prelocked` and `lock` as far as the decision needs them, then
+    `settle` (or `abandon` if something raised); `release` once when a thread stops."""
 
     def start(self) -> Call | None:
         """The next message with its connection, its transaction opened as far as the message

@@ -2,12 +2,13 @@
 
 `Runner.step` is the whole path of a message, top to bottom: start it (receive or claim, and
 open its transaction), decide (entity, local turn, lock and ledger look-up, the handler call,
-the verdict), settle (ledger record, the transport's ack / requeue / dead letter, COMMIT), and
-record. How the transaction opens and closes belongs to the message source (`Transactions`):
-`dedupworker.received` for transports that hand messages over, the postgres queue's own
-(`transports/postgres/claims.py`) where the claim is part of the transaction. The handler runs
-inside that transaction on the psycopg connection: its `conn.transaction()` blocks are nested
-savepoints and its statements join the transaction. See docs/architecture.md.
+the verdict), settle (ledger record, COMMIT and the transport's ack / requeue / dead letter, in
+the order the source needs), and record. How the transaction opens and closes belongs to the
+message source (`Transactions`): `dedupworker.received` for transports that hand messages over,
+the postgres queue's own (`transports/postgres/claims.py`) where the claim is part of the
+transaction. The handler runs inside that transaction on the psycopg connection: its
+`conn.transaction()` blocks are nested savepoints and its statements join the transaction. See
+docs/architecture.md.
 """
 
 from __future__ import annotations
