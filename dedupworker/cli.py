@@ -15,7 +15,7 @@ from . import admin
 from ._version import __version__
 from .config import WorkerConfig
 from .errors import ConfigurationError, DedupWorkerError
-from .transports import TRANSPORTS, Setting, options_class, settings_of
+from .transports import TRANSPORTS, Setting, options_class, settings_of, value_kind
 
 Command = Callable[[argparse.Namespace], int]
 TRUE = {"1", "true", "yes", "on"}
@@ -126,16 +126,10 @@ def run_fields() -> list[tuple[str, type, str]]:
     """WorkerConfig's fields that only `run` has: name, value type and help."""
     hints = typing.get_type_hints(WorkerConfig)
     return [
-        (f.name, _kind(hints[f.name]), f.metadata["help"])
+        (f.name, value_kind(hints[f.name]), f.metadata["help"])
         for f in dataclasses.fields(WorkerConfig)
         if f.metadata.get("run")
     ]
-
-
-def _kind(hint: Any) -> type:
-    """`X | None` is X."""
-    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return typing.cast(type, args[0] if args else hint)
 
 
 def transport_flags() -> dict[str, dict[str, Setting]]:

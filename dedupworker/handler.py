@@ -77,6 +77,11 @@ class Handler:
         return None if message.transport == "postgres" else message.id
 
     @property
+    def timeout_setting(self) -> str | None:
+        """`timeout` as PostgreSQL's statement / idle timeouts take it ('2500ms'), or None."""
+        return None if self.timeout is None else f"{int(self.timeout * 1000)}ms"
+
+    @property
     def ledger_scope(self) -> str:
         return self.dedup_scope or self.name
 

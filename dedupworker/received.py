@@ -32,7 +32,7 @@ class ReceivedTransactions:
         self.transport = transport
         self.pool = pool
         self._scope = handler.ledger_scope
-        self._timeout = None if handler.timeout is None else f"{int(handler.timeout * 1000)}ms"
+        self._timeout = handler.timeout_setting
 
     def start(self) -> Call | None:
         delivery = self.transport.receive(None)

@@ -124,7 +124,7 @@ def settings_of(cls: type[TransportOptions]) -> list[Setting]:
             name=f.name,
             flag=f.metadata["flag"],
             help=f.metadata["help"],
-            kind=_kind(hints[f.name]),
+            kind=value_kind(hints[f.name]),
             default=_default(f),
             short=f.metadata.get("short"),
             metavar=f.metadata.get("metavar"),
@@ -133,13 +133,13 @@ def settings_of(cls: type[TransportOptions]) -> list[Setting]:
     ]
 
 
-def _kind(hint: Any) -> type:
-    """The value's type: `X | None` is X, a `Mapping[str, str]` is dict."""
+def value_kind(hint: Any) -> type:
+    """A flag's value type: `X | None` is X, a `Mapping[str, str]` is dict (bool: a switch)."""
     if isinstance(hint, types.UnionType):
         (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
     kind = typing.get_origin(hint) or hint
     kind = dict if kind in (dict, Mapping) else kind
-    assert kind in (str, int, float, dict), f"no command line for {hint!r}"
+    assert kind in (str, int, float, bool, dict), f"no command line for {hint!r}"
     return typing.cast(type, kind)
 
 

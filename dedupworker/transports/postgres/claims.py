@@ -95,7 +95,7 @@ class ClaimedTransactions:
         self.handler = handler
         self._lock = (handler.lock_namespace, handler.lock_key_mode)
         self._scope = handler.ledger_scope
-        self._timeout = None if handler.timeout is None else f"{int(handler.timeout * 1000)}ms"
+        self._timeout = handler.timeout_setting
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
         self._thread = _Thread()
