@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -25,3 +26,17 @@ class NoLocalWait(Sleepy):
     """The same, requeueing a message whose entity another thread of the worker runs."""
 
     local_wait = 0.0
+
+
+class SessionSleepy(Handler):
+    """Sleepy in the session-lock engine: `await asyncio.sleep`, holding nothing but its lock."""
+
+    lock_namespace = 78
+    lock_scope = "session"
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int = message.json()["entity"]
+        return entity
+
+    async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
+        await asyncio.sleep(message.json().get("work_ms", 2) / 1000)

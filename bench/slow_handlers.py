@@ -17,6 +17,11 @@ connections: backends whose application_name starts with "dedupworker", sampled 
 pg_stat_activity every 100 ms (max over the worker's life; median, and `idle in transaction`,
 over first→last job).
 
+Each round runs today's engine (`--handler`, at each `--concurrency` level; the level it cannot
+start at in the first round only) and then the session-lock engine (`--session-handler`,
+bench.sleepy.SessionSleepy: `await asyncio.sleep`, at `--session-concurrency` calls in flight);
+`--rounds N` alternates them N times and reports the ratio of their messages/s per round.
+
 `--hot`: 20 entities, 100 ms calls, 10,000 messages, at the largest level today's engine serves.
 `--worker-arg=ARG` (repeatable) passes ARG on to `dedupworker run`.
 
@@ -26,6 +31,7 @@ Run from the repository root:  python -m bench.slow_handlers --messages 2000
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import shlex
 import statistics
@@ -55,6 +61,7 @@ MAX_CONNECTIONS = 100  # PostgreSQL's default; dedupworker.embedded starts its s
 # The largest --concurrency today's engine starts at against MAX_CONNECTIONS (see bench/README.md),
 # and a level it does not start at.
 SERVED, UNSERVED = 96, 200
+SESSION_CONCURRENCY = 2000
 QUEUE = "slow"
 SAMPLE_SECONDS = 0.1
 SAMPLE = """
@@ -125,6 +132,7 @@ class Sampler:
 class Level:
     """One concurrency level's run; `error`: what the worker said when it exited non-zero."""
 
+    engine: str
     concurrency: int
     messages: int
     bound: float
@@ -165,10 +173,14 @@ def fill(dsn: str, args: argparse.Namespace) -> tuple[int, tuple[int, int]]:
     return -(-args.messages // args.entities), (ids[0], ids[-1])
 
 
-def run_level(dsn: str, args: argparse.Namespace, concurrency: int, workers: Workers) -> Level:
+def run_level(
+    dsn: str, args: argparse.Namespace, setup: tuple[str, int], workers: Workers
+) -> Level:
+    engine, concurrency = setup
     busiest, ids = fill(dsn, args)
     work = args.work_ms / 1000
-    level = Level(concurrency, args.messages, max(busiest, args.messages / concurrency) * work)
+    bound = max(busiest, args.messages / concurrency) * work
+    level = Level(engine, concurrency, args.messages, bound)
     started = time.perf_counter()
     with Sampler(dsn) as sampler, Watcher(dsn, ids) as watcher:
         try:
@@ -197,7 +209,7 @@ def settle(level: Level, watcher: Watcher, cpu: float, stats: dict[str, Any], id
 
 
 def row(level: Level) -> list[str]:
-    cells = [str(level.concurrency), f"{level.messages:,}"]
+    cells = [level.engine, str(level.concurrency), f"{level.messages:,}"]
     if level.error is not None:
         peak = max((s.backends for s in level.samples), default=0)
         return [*cells, level.error.replace("|", "\\|"), *["n/a"] * 5, str(peak), *["n/a"] * 3]
@@ -219,10 +231,10 @@ def row(level: Level) -> list[str]:
 
 
 def table(levels: list[Level]) -> str:
-    head = ["concurrency", "messages", "result", "msg/s (first→last job)", "drain s"]
+    head = ["engine", "concurrency", "messages", "result", "msg/s (first→last job)", "drain s"]
     head += ["lower bound s", "drain / bound", "client CPU µs/msg", "worker conns max"]
     head += ["worker conns median", "idle in transaction max / median", "requeues per message"]
-    out = ["| " + " | ".join(head) + " |", "|---:|---:|---|" + "---:|" * (len(head) - 3)]
+    out = ["| " + " | ".join(head) + " |", "|---|---:|---:|---|" + "---:|" * (len(head) - 4)]
     return "\n".join([*out, *("| " + " | ".join(row(level)) + " |" for level in levels)])
 
 
@@ -250,6 +262,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="bench.sleepy:Sleepy",
         help="MODULE:CLASS; the default sleeps each body's work_ms in its locked transaction",
     )
+    parser.add_argument(
+        "--session-handler",
+        default="bench.sleepy:SessionSleepy",
+        help='MODULE:CLASS run with lock_scope = "session"; the default awaits asyncio.sleep',
+    )
+    parser.add_argument(
+        "--session-concurrency",
+        type=int,
+        default=SESSION_CONCURRENCY,
+        help=f"calls in flight of the session engine (0: skip it); {SESSION_CONCURRENCY}",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; 1")
     add_worker_options(parser)
     args = parser.parse_args(argv)
     for name, default in zip(NAMES, DEFAULTS[args.hot], strict=True):
@@ -285,26 +309,60 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print("$ " + shlex.join(["python", "-m", "bench.slow_handlers", *sys.argv[1:]]), flush=True)
     workers = SlowWorkers(args.processes, args.cpu, args.handler, args.tree, tuple(args.worker_arg))
+    engines = {
+        "transaction": workers,
+        "session": dataclasses.replace(workers, handler=args.session_handler),
+    }
     server, dsn = start_server()
     try:
         lines = header(dsn)
         levels = []
-        for concurrency in args.concurrency:
-            levels.append(run_level(dsn, args, concurrency, workers))
+        for engine, concurrency in setups(args):
+            levels.append(run_level(dsn, args, (engine, concurrency), engines[engine]))
             print(
-                f"  concurrency {concurrency}: " + ", ".join(row(levels[-1])[2:4]), file=sys.stderr
+                f"  {engine} at {concurrency}: " + ", ".join(row(levels[-1])[3:5]), file=sys.stderr
             )
     finally:
         server.stop()
     print("\n".join(lines))
     print(
         f"{args.messages:,} messages over {args.entities:,} entities (enqueued with their "
-        f"entity), {args.work_ms:g} ms per call, {args.handler}, {args.processes} process(es)"
+        f"entity), {args.work_ms:g} ms per call; transaction engine: {args.handler}, session "
+        f"engine: {args.session_handler}; {args.processes} process(es) per run"
         + (f", worker args: {shlex.join(args.worker_arg)}" if args.worker_arg else "")
         + "\n"
     )
     print(table(levels))
+    print(ratios(levels))
     return 0
+
+
+def setups(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """Rounds alternating today's engine at each --concurrency level (a level it cannot start
+    at in the first round only) and the session engine at --session-concurrency."""
+    rounds = []
+    for number in range(args.rounds):
+        levels = args.concurrency if number == 0 else [c for c in args.concurrency if c <= SERVED]
+        rounds += [("transaction", c) for c in levels]
+        if args.session_concurrency:
+            rounds.append(("session", args.session_concurrency))
+    return rounds
+
+
+def ratios(levels: list[Level]) -> str:
+    """The session engine's msg/s over today's served level's, round by round (median, range)."""
+    served = [lv for lv in levels if lv.engine == "transaction" and lv.error is None]
+    session = [lv for lv in levels if lv.engine == "session" and lv.error is None]
+    pairs = [
+        (s.messages / s.seconds) / (t.messages / t.seconds)
+        for t, s in zip(served, session, strict=False)
+    ]
+    if not pairs:
+        return ""
+    return (
+        f"\nsession / transaction msg/s, per round: {', '.join(f'{p:.1f}' for p in pairs)} "
+        f"(median {statistics.median(pairs):.1f}, range {min(pairs):.1f}-{max(pairs):.1f})"
+    )
 
 
 if __name__ == "__main__":

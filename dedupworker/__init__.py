@@ -18,10 +18,13 @@ from .message import Message
 from .outcomes import Outcome
 from .producer import enqueue
 from .schema import migrate
+from .sessions import AsyncCallConnection, CallConnection, SessionLost
 from .singleton import Singleton
 from .worker import Worker
 
 __all__ = [
+    "AsyncCallConnection",
+    "CallConnection",
     "ConfigurationError",
     "DatabaseUnavailable",
     "DedupWorkerError",
@@ -33,6 +36,7 @@ __all__ = [
     "Reject",
     "RetryLater",
     "SchemaMissing",
+    "SessionLost",
     "Singleton",
     "TransportError",
     "Worker",

@@ -239,7 +239,9 @@ def _add_enqueue(sub: Any) -> None:
 
 
 def _add_locks(sub: Any) -> None:
-    p = command(sub, "locks", help="advisory locks held and awaited, keys decoded")
+    p = command(
+        sub, "locks", help="advisory locks held and awaited: keys, scope, mode, who holds them"
+    )
     add_connect_options(p)
     add_option(p, "--namespace", type=int, help="only this lock namespace")
     add_option(p, "--json", action="store_true", help="one JSON object per line")

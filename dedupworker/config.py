@@ -41,7 +41,11 @@ class WorkerConfig:
     dsn: str = _flag("", "PostgreSQL connection string (libpq URL or key=value)", run=False)
     queue: str = _flag("default", "queue name (sqs: queue URL; kafka: topic)")
     transport: str = _flag("postgres", "message source", run=False)
-    concurrency: int = _flag(4, "handler threads per handler (each holds one pooled connection)")
+    concurrency: int = _flag(
+        4,
+        "calls in flight per handler: threads, each holding one pooled connection; with "
+        'lock_scope = "session", calls (thousands are fine) on a few lock sessions',
+    )
     metrics_port: int | None = _flag(
         None,
         "serve /metrics (Prometheus), /healthz (alive), /readyz (database reachable) and /hot "
@@ -57,6 +61,17 @@ class WorkerConfig:
         False,
         "connections go through a transaction-mode pooler: no prepared statements, no LISTEN "
         "(polling only)",
+    )
+    lock_dsn: str | None = _flag(
+        None,
+        'where the lock sessions of lock_scope = "session" handlers connect (default: --dsn); '
+        "must be direct, never through a transaction pooler",
+    )
+    lock_sessions: int = _flag(
+        2, 'lock sessions per lock_scope = "session" handler (2 or more: each lock is guarded)'
+    )
+    read_connections: int = _flag(
+        2, 'pooled connections for the reads of lock_scope = "session" handlers, per handler'
     )
     stats_file: str | None = _flag(None, "write the final outcome counts as JSON here on exit")
     cpu: int | None = _flag(
@@ -78,6 +93,11 @@ class WorkerConfig:
         self._check_options()
         if self.concurrency < 1:
             raise ConfigurationError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.lock_sessions < 1 or self.read_connections < 1:
+            raise ConfigurationError(
+                "--lock-sessions and --read-connections must be >= 1 "
+                f"(got {self.lock_sessions} and {self.read_connections})"
+            )
         for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")

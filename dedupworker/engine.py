@@ -1,26 +1,29 @@
 """The execution seams: what the worker drives per handler, and what a message's call runs in.
 
-    Worker ── drives, one per handler ──> Engine       step() until stopped or drained
-                                          └── Runner   the per-message transaction engine
+    Worker ── drives, one per handler ──> Engine         step() until stopped or drained
+                                          └── Runner     the per-message transaction engine
+           ── or lets it serve itself ──> Serves         serve(host) until stopped or drained
+                                          └── SessionEngine  session locks (dedupworker/sessions/)
     Runner ── opens and closes each message's transaction through ──> Transactions
         ├── ReceivedTransactions (dedupworker/received.py): messages handed over (SQS, Kafka)
         └── ClaimedTransactions (transports/postgres/claims.py): the claim is in the transaction
 
 An engine decides how locks and transactions wrap a handler call; the outcome of a call is
 decided in `dedupworker.outcomes` whatever the engine, and recorded by `dedupworker.recording`.
-Today's engine holds one transaction (and one pooled connection) per call, the lock taken with
-`pg_try_advisory_xact_lock` inside it. Engines to come sit beside it behind `Engine`: one that
-holds session locks on a few lock sessions while calls run with no transaction open, one that
-runs many entities per transaction. docs/architecture.md draws the whole map.
+`Runner` holds one transaction (and one pooled connection) per call, the lock taken with
+`pg_try_advisory_xact_lock` inside it; `SessionEngine` holds session locks on a few lock
+sessions while calls run with no transaction open, on its own event loop. An engine that runs
+many entities per transaction is to sit beside them. docs/architecture.md draws the whole map.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import collections
+    import threading
 
     import psycopg
 
@@ -92,3 +95,36 @@ class Engine(Protocol):
 
     def release(self) -> None:
         """Called once by each handler thread when it stops."""
+
+
+class Host(Protocol):
+    """What an engine that serves itself gets from the worker."""
+
+    stop_event: threading.Event
+
+    def progressed(self) -> None:
+        """The engine went round its loop (the liveness probe's heartbeat)."""
+
+    def idle(self, engine: Serves) -> None:
+        """Nothing ready and nothing in flight: the drain check, then a wait for work."""
+
+
+@runtime_checkable
+class Serves(Protocol):
+    """An engine that runs its calls itself (on its own event loop): the worker gives it one
+    thread and waits for `serve` to return."""
+
+    handler: Handler
+    transport: Transport
+    hot: HotEntities
+
+    @property
+    def stats(self) -> collections.Counter[str]: ...
+
+    def open(self) -> None:
+        """Connect what it needs, at start (errors before the worker says it started)."""
+
+    def serve(self, host: Host) -> None:
+        """Run until the host's stop_event is set, then finish the calls in flight."""
+
+    def close(self) -> None: ...

@@ -6,7 +6,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import psycopg
 import tenacity
@@ -25,10 +25,20 @@ class Handler:
     `(lock_namespace, entity_id(message))`; return to succeed (commit, ack), raise to fail
     (rollback, retry with `retry_backoff`, dead-letter after `max_attempts`). Raise
     `RetryLater` to ask for a later retry, `Reject` to dead-letter a poison message at once.
+
+    `lock_scope = "session"` runs the handler in the session-lock engine (slow handlers,
+    thousands in flight on a few connections; docs/session-locks.md): no transaction is open
+    during the call, `handle` may be `async def`, and `conn` is a
+    `dedupworker.sessions.CallConnection` whose `execute` queues writes that commit with the
+    message's settlement, under the lock.
     """
 
     lock_namespace: ClassVar[int]
     lock_key_mode: ClassVar[KeyMode] = "int4"
+    # "transaction": each call runs in a transaction holding pg_try_advisory_xact_lock (one
+    # pooled connection per call in flight). "session": the lock is a session lock on one of
+    # the worker's few lock sessions, the call holds no connection (see docs/session-locks.md).
+    lock_scope: ClassVar[Literal["transaction", "session"]] = "transaction"
     max_attempts: ClassVar[int] = 5
     retry_backoff: ClassVar[wait_base] = tenacity.wait_exponential(
         multiplier=1.0, min=1.0, max=300.0
@@ -147,6 +157,26 @@ def validate_handler(handler: Handler) -> None:
     for method in ("entity_id", "handle"):
         if getattr(cls, method) is getattr(Handler, method):
             raise ConfigurationError(f"{cls.__name__} must implement {method}()")
+    _check_scope(cls)
+
+
+LOCK_SCOPES = ("transaction", "session")
+
+
+def _check_scope(cls: type[Handler]) -> None:
+    if cls.lock_scope not in LOCK_SCOPES:
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_scope = {cls.lock_scope!r}; use 'transaction' (the default) or "
+            "'session' (slow handlers: docs/session-locks.md)"
+        )
+    if cls.lock_scope == "transaction":
+        for method in ("handle", "may_run"):
+            if inspect.iscoroutinefunction(getattr(cls, method)):
+                raise ConfigurationError(
+                    f"{cls.__name__}.{method} is `async def`, which needs "
+                    f'lock_scope = "session" (a transaction-scope handler runs in a thread, '
+                    "inside the locked transaction)"
+                )
 
 
 _EXAMPLE = "dedupworker run myservice.handlers:DeliverWebhook"

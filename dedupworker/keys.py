@@ -90,6 +90,28 @@ def lock_key(namespace: int, entity: object, mode: KeyMode = "int4") -> LockKey:
     return LockKey(namespace, value, _LOCK_HASHTEXT, (namespace, str(value)))
 
 
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    """An entity's key as the session-lock statements take it (dedupworker.sessions): the same
+    key `lock_key` builds, as columns of arrays so that one statement locks many. `number`:
+    the int4 key itself; otherwise `text` is hashed by PostgreSQL (hashtext, or
+    hashtextextended in hash64 mode, `wide`)."""
+
+    namespace: int
+    number: int | None
+    text: str | None
+    wide: bool
+
+
+def session_key(namespace: int, entity: int | str, mode: KeyMode = "int4") -> SessionKey:
+    """`lock_key`'s key for a normalized entity, for the session-lock statements."""
+    if mode == "hash64":
+        return SessionKey(namespace, None, str(entity), True)
+    if isinstance(entity, int) and fits_int4(entity):
+        return SessionKey(namespace, entity, None, False)
+    return SessionKey(namespace, None, str(entity), False)
+
+
 def int4_of(text: str) -> int | str:
     """A canonical decimal string as its int when it fits int4, else the string itself."""
     value = int(text)

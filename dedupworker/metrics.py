@@ -42,6 +42,34 @@ IN_FLIGHT = Gauge(
     "Messages being processed right now.",
     ["handler", "transport"],
 )
+# The session-lock engine (dedupworker.sessions).
+LOCK_SESSIONS = Gauge(
+    "dedupworker_lock_sessions",
+    "Lock sessions open (session-lock engine).",
+    ["handler"],
+)
+SESSION_LOCKS = Gauge(
+    "dedupworker_session_locks_held",
+    "Entity locks held on lock sessions right now (session-lock engine).",
+    ["handler"],
+)
+LOCK_SESSION_LOSSES = Counter(
+    "dedupworker_lock_session_losses",
+    "Lock sessions lost (backend terminated, connection cut, server restarted).",
+    ["handler"],
+)
+CALLS_CANCELLED = Counter(
+    "dedupworker_calls_cancelled",
+    "Calls cut off because the lock session holding their lock was lost; their messages come back.",
+    ["handler"],
+)
+LOCK_LOST_RUN_ON = Histogram(
+    "dedupworker_lock_lost_run_on_seconds",
+    "For a call cut off by a lost lock session: from the session's last sign of life to the "
+    "call's end (its guard session kept the key held meanwhile).",
+    ["handler"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 KAFKA_LAG = Gauge(
     "dedupworker_kafka_lag",
     "Kafka messages of an assigned partition not finished yet: the partition's high watermark "

@@ -32,7 +32,7 @@ class Recorder:
         self.observe = observe
         self.hot = HotEntities()
         self.stats: collections.Counter[str] = collections.Counter()
-        self._stats_lock = threading.Lock()
+        self.lock = threading.Lock()  # guards stats
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
         self._counted = {
@@ -60,7 +60,7 @@ class Recorder:
         if self.observe:
             self._observe(call, verdict, elapsed)
         outcome = _VALUES[verdict.outcome]
-        with self._stats_lock:
+        with self.lock:
             self.stats[outcome] += 1
         level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
         if log.isEnabledFor(level):

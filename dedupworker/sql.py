@@ -4,6 +4,18 @@ from __future__ import annotations
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
+# The session-lock engine (dedupworker.sessions) claims a postgres job by a session lock on it,
+# (JOB_NAMESPACE, the id's low 32 bits), on one of its lock sessions: no row lock and no
+# transaction is held for the call, and a dead worker's jobs are free the moment its sessions
+# end. The per-message claims take the same key (transaction-scoped) on the row they claim, so
+# both engines can serve one queue. Two ids 2**32 apart share a key: that costs a wait.
+JOB_NAMESPACE = 0x64776A62  # int4 "dwjb"
+JOB_KEY = f"{JOB_NAMESPACE}, id::bit(32)::int4"
+_JOB_FREE = f"""CASE
+          WHEN status = 'ready' AND run_at <= clock_timestamp()
+              THEN pg_try_advisory_xact_lock({JOB_KEY})
+      END"""
+
 # The claim: one ready job, oldest first, skipping rows other claims hold. It also tries the
 # lock of the entity given at enqueue (NULL when none was given), computed as dedupworker.keys
 # does (a string that is the decimal form of an int4 is that int, as an older producer may have
@@ -14,6 +26,7 @@ WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity
     FROM dedupworker.jobs
     WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+      AND {job_free}
     ORDER BY run_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -45,6 +58,7 @@ WITH claimed AS (
       AND (entity IS NULL OR CASE
           WHEN status = 'ready' AND run_at <= clock_timestamp() THEN {{lock}}
       END)
+      AND {{job_free}}
     ORDER BY run_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -71,8 +85,12 @@ _LOCKS = {
            ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
        END""",
 }
-CLAIM_LOCKING = {mode: _CLAIM_LOCKING.format(lock=lock) for mode, lock in _LOCKS.items()}
-CLAIM_SKIPPING = {mode: _CLAIM_SKIPPING.format(lock=lock) for mode, lock in _LOCKS.items()}
+CLAIM_LOCKING = {
+    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+}
+CLAIM_SKIPPING = {
+    mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+}
 
 # Transaction-scoped (SET LOCAL): safe behind a transaction pooler, gone at COMMIT.
 HANDLER_TIMEOUT = """
@@ -137,16 +155,27 @@ WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
 RETURNING id, queue
 """
 
-ADVISORY_LOCKS = """
+# `dedupworker locks`: advisory locks with their holder's session, the lock's mode, whether the
+# holder is in a transaction, and for a job claim (JOB_NAMESPACE, the id's low 32 bits) the jobs
+# whose id has those bits: ids low + n * 2**32 up to the highest id, found by primary key.
+ADVISORY_LOCKS = f"""
 SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, l.granted, l.pid,
        coalesce(a.application_name, ''), coalesce(a.state, ''),
        extract(epoch FROM clock_timestamp() - a.xact_start)::float8,
-       coalesce(left(regexp_replace(a.query, '\\s+', ' ', 'g'), 80), '')
+       coalesce(left(btrim(regexp_replace(a.query, '\\s+', ' ', 'g')), 80), ''),
+       l.mode, a.xact_start IS NOT NULL, job.ids, job.queues
 FROM pg_locks l
 LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+LEFT JOIN LATERAL (
+    SELECT array_agg(j.id ORDER BY j.id) AS ids, array_agg(j.queue ORDER BY j.id) AS queues
+    FROM dedupworker.jobs j
+    WHERE l.objsubid = 2 AND l.classid::int8 = {JOB_NAMESPACE}
+      AND j.id IN (SELECT l.objid::int8 + (n << 32)
+                   FROM generate_series(0::int8, (SELECT max(id) FROM dedupworker.jobs) >> 32) n)
+) job ON true
 WHERE l.locktype = 'advisory'
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid
+ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, a.application_name, l.pid
 """
 
 DEDUP_SEEN = """
@@ -182,3 +211,72 @@ FROM dedupworker.jobs
 WHERE queue = %s
 GROUP BY 1
 """
+
+
+# --- The session-lock engine (dedupworker.sessions) ---------------------------------------------
+# Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
+# returns each key as PostgreSQL's lock functions take it, (ns, k) or the one bigint `single`,
+# and the guard and unlock statements take those.
+_SESSION_KEYS = """
+SELECT i, ns,
+       CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
+       CASE WHEN wide THEN hashtextextended(txt, ns) END AS single
+FROM unnest(%s::int4[], %s::int4[], %s::text[], %s::bool[])
+     WITH ORDINALITY AS t(ns, num, txt, wide, i)
+OFFSET 0
+"""
+
+
+def _on_key(function: str) -> str:
+    return f"CASE WHEN single IS NULL THEN {function}(ns, k) ELSE {function}(single) END"
+
+
+# Taken exclusively (nobody holds the key in any mode), then held in shared mode: the lock
+# statement on the call's primary session, whose shared hold the guard session then joins, so
+# that the key stays held while either session lives. Anyone else takes the key exclusively
+# (the per-message engine, other SQL, another session-lock worker) and is refused while either
+# hold lasts. A shared hold refused (an exclusive waiter queued on the key) gives the key back.
+SESSION_LOCK = f"""
+SELECT i, ns, k, single FROM ({_SESSION_KEYS}) keys
+WHERE CASE WHEN {_on_key("pg_try_advisory_lock")} THEN
+          CASE WHEN {_on_key("pg_try_advisory_lock_shared")} THEN {_on_key("pg_advisory_unlock")}
+               ELSE NOT {_on_key("pg_advisory_unlock")} END
+      ELSE false END
+"""
+_RESOLVED = "unnest(%s::int4[], %s::int4[], %s::int8[]) WITH ORDINALITY AS t(ns, k, single, i)"
+SESSION_GUARD = f"SELECT i FROM {_RESOLVED} WHERE {_on_key('pg_try_advisory_lock_shared')}"
+SESSION_UNLOCK = (
+    f"SELECT count(*) FILTER (WHERE {_on_key('pg_advisory_unlock_shared')}) FROM {_RESOLVED}"
+)
+
+# The claim: ready jobs, oldest first, that this worker does not hold (a session takes no key
+# twice), passing over jobs whose entity given at enqueue is one it holds a job of already, and
+# taking one job per such entity: their calls could not run now, and a slot of --concurrency
+# spent waiting is a slot without a call. Then the lock of each; SESSION_CLAIMED reads them
+# again after the locks, in a snapshot of its own: a job that another worker settled (COMMIT,
+# then unlock) just before our lock is gone by then.
+SESSION_CLAIM = f"""
+SELECT id FROM (
+    SELECT id, entity,
+           row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
+    FROM (
+        SELECT id, entity, run_at FROM dedupworker.jobs
+        WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+          AND id NOT IN (SELECT unnest(%s::int8[]))
+          AND (entity IS NULL OR entity::text NOT IN (SELECT unnest(%s::text[])))
+        ORDER BY run_at, id
+        LIMIT %s
+    ) head
+) candidates
+WHERE (entity IS NULL OR nth = 1) AND pg_try_advisory_lock({JOB_KEY})
+"""
+SESSION_CLAIMED = """
+SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+       entity::text
+FROM dedupworker.jobs
+WHERE id = ANY (%s::int8[]) AND status = 'ready' AND run_at <= clock_timestamp()
+ORDER BY run_at, id
+"""
+SESSION_JOB_UNLOCK = (
+    f"SELECT count(*) FILTER (WHERE pg_advisory_unlock({JOB_KEY})) FROM unnest(%s::int8[]) id"
+)

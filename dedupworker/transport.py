@@ -4,6 +4,8 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     Transport             ack, requeue, dead_letter, wait_for_work, is_drained, close
     ├── Receives          receive: messages handed over, settled after the transaction (SQS, Kafka)
     ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
+    ├── ClaimsOnSessions  session_claims: messages claimed by session locks (postgres, for the
+    │                     session-lock engine)
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
     from .engine import Transactions
     from .handler import Handler
+    from .sessions.sources import Source
     from .wire import Executor
 
 
@@ -88,6 +91,14 @@ class OpensTransactions(Protocol):
     itself (the claim is part of it) and settles inside it (see transports/postgres/claims.py)."""
 
     def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...
+
+
+@runtime_checkable
+class ClaimsOnSessions(Protocol):
+    """Messages that are rows of the database, claimed for the session-lock engine by session
+    locks on its lock sessions (see transports/postgres/sessions.py)."""
+
+    def session_claims(self) -> Source: ...
 
 
 @runtime_checkable

@@ -24,12 +24,13 @@ from ._version import __version__
 from .affinity import pin_process
 from .config import WorkerConfig
 from .db import behind_pooler, connect, describe_dsn, open_pool, retryable, unavailable
-from .engine import Engine
+from .engine import Engine, Serves
 from .errors import ConfigurationError
 from .handler import Handler
 from .http import serve
 from .runner import Runner
 from .schema import check_schema
+from .sessions import SessionEngine
 from .singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
 from .transport import ReportsDepth, Wakes
 from .transports import load_transport
@@ -40,6 +41,7 @@ ERROR_BACKOFF_MAX = 10.0
 STUCK_AFTER = 300.0
 DEPTH_INTERVAL = 15.0
 HOT_LOG_INTERVAL = 60.0
+SERVES_GRACE = 5.0
 ENDPOINTS = "/metrics, /healthz, /readyz, /hot"
 INTERRUPTED = (
     "interrupted by a second Ctrl-C: the in-flight handlers were cut off; their transactions "
@@ -66,7 +68,7 @@ class Worker:
         self.scheduler: Scheduler | None = None
         self.config = config
         self.stop_event = threading.Event()
-        self.runners: list[Engine] = []
+        self.runners: list[Engine | Serves] = []
         # The transports' optional capabilities, found once at start (see dedupworker.transport).
         self._wakes: list[Wakes] = []
         self._depths: list[ReportsDepth] = []
@@ -88,10 +90,11 @@ class Worker:
 
     def setup(self) -> None:
         self._at_start(self._check_pooler)
-        size = self.config.concurrency * len(self.handlers) + 1  # +1: the scheduler
+        if self._session_handlers():
+            self._at_start(self._check_lock_dsn)
         self._pool = open_pool(
             self.config.dsn,
-            size,
+            self._pool_size(),
             self.config.connect_timeout,
             pgbouncer=self.config.pgbouncer,
             name="dedupworker:" + ",".join(h.name for h in self.handlers),
@@ -100,7 +103,7 @@ class Worker:
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
-            self.runners.append(Runner(handler, transport, self._pool, self.observing))
+            self.runners.append(self._engine(handler, transport, config))
             if isinstance(transport, Wakes):
                 self._wakes.append(transport)
             if isinstance(transport, ReportsDepth):
@@ -110,6 +113,42 @@ class Worker:
             info = (__version__, self.config.transport, str(self.config.concurrency))
             metrics.WORKER_INFO.labels(*info).set(1)
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
+
+    def _engine(self, handler: Handler, transport: Any, config: WorkerConfig) -> Engine | Serves:
+        """The engine the handler asks for: its lock_scope (see dedupworker.engine)."""
+        assert self._pool is not None
+        if handler.lock_scope == "session":
+            engine = SessionEngine(handler, transport, config, self.observing)
+            engine.open()
+            return engine
+        return Runner(handler, transport, self._pool, self.observing)
+
+    def _session_handlers(self) -> list[Handler]:
+        return [h for h in self.handlers if h.lock_scope == "session"]
+
+    def _pool_size(self) -> int:
+        """One pooled connection per handler thread; a session-lock handler needs one for its
+        transport (its calls hold none); +1 for the scheduler."""
+        sessions = len(self._session_handlers())
+        return self.config.concurrency * (len(self.handlers) - sessions) + sessions + 1
+
+    def _check_lock_dsn(self) -> None:
+        """Session locks need a direct connection: refuse a lock DSN behind a pooler."""
+        lock_dsn = self.config.lock_dsn or self.config.dsn
+        names = ", ".join(h.name for h in self._session_handlers())
+        given = "--lock-dsn" if self.config.lock_dsn else "--dsn (no --lock-dsn given)"
+        pooled = (not self.config.lock_dsn and self.config.pgbouncer) or (
+            _reachable(lock_dsn, self.config.connect_timeout)
+            and behind_pooler(lock_dsn, prepare_threshold=None)
+        )
+        if pooled:
+            raise ConfigurationError(
+                f"{names}: lock_scope = 'session' needs direct lock sessions, and {given} "
+                f"({describe_dsn(lock_dsn)}) goes through a transaction pooler: its session "
+                "locks would stay on a pooled server connection that other clients then use. "
+                "Give --lock-dsn / DEDUPWORKER_LOCK_DSN a DSN straight to PostgreSQL (the reads "
+                "and the transport may stay on the pooler)"
+            )
 
     def _at_start(self, step: Callable[[], None]) -> None:
         """Run a start-up check again while the database is restarting (until connect_timeout)."""
@@ -146,10 +185,11 @@ class Worker:
                 "the connections to %s go through a pooler (PgBouncer?): running as with "
                 "--pgbouncer: no prepared statements, no LISTEN (polling every %gs), "
                 "transaction-scoped locks only; the pooler must allow at least %d server "
-                "connections for this worker (one per handler thread, +1)",
+                "connections for this worker (one per handler thread or session-lock handler, "
+                "+1)",
                 describe_dsn(self.config.dsn),
                 self.config.poll_interval,
-                self.config.concurrency * len(self.handlers) + 1,
+                self._pool_size(),
             )
             self.config = dataclasses.replace(self.config, pgbouncer=True)
 
@@ -164,13 +204,7 @@ class Worker:
             )
         log.info("dedupworker %s started: %s", __version__, self._describe())
         with _on_stop(self.stop):
-            threads = [
-                threading.Thread(
-                    target=self._loop, args=(runner,), name=f"{runner.handler.name}-{i}"
-                )
-                for runner in self.runners
-                for i in range(self.config.concurrency)
-            ]
+            threads = [thread for runner in self.runners for thread in self._threads_of(runner)]
             self._threads = threads
             for thread in threads:
                 thread.daemon = True
@@ -186,6 +220,38 @@ class Worker:
         self.close(wait=not abandoned)
         self._report(abandoned)
         return 1 if abandoned else 0
+
+    def _threads_of(self, engine: Engine | Serves) -> list[threading.Thread]:
+        """`concurrency` handler threads stepping a Runner; one for an engine serving itself."""
+        name = engine.handler.name
+        if isinstance(engine, Serves):
+            return [threading.Thread(target=self._serve_engine, args=(engine,), name=name)]
+        return [
+            threading.Thread(target=self._loop, args=(engine,), name=f"{name}-{i}")
+            for i in range(self.config.concurrency)
+        ]
+
+    def _serve_engine(self, engine: Serves) -> None:
+        try:
+            engine.serve(self)
+        except Exception:
+            log.exception(
+                "%s: the engine stopped on an error; stopping the worker", engine.handler.name
+            )
+            self.stop_event.set()
+
+    def progressed(self) -> None:
+        """An engine went round its loop (Host.progressed)."""
+        self.last_progress = time.monotonic()
+        if self.observing:
+            metrics.HEARTBEAT.set(time.time())
+
+    def idle(self, engine: Engine | Serves) -> None:
+        """Nothing was ready for `engine`: the drain check, then a wait for work (Host.idle)."""
+        if self.config.drain and self._drained():
+            self.stop_event.set()
+            return
+        engine.transport.wait_for_work(self.stop_event, self.config.poll_interval)
 
     def _describe(self) -> str:
         """What the start-up line says: what runs, where, and where to watch it."""
@@ -247,6 +313,8 @@ class Worker:
         if self.scheduler is not None:
             self.scheduler.stop()
         for runner in self.runners:
+            if isinstance(runner, Serves):
+                runner.close()
             runner.transport.close()
         if self._pool is not None:
             self._pool.close(timeout=5.0 if wait else 0.1)
@@ -289,15 +357,9 @@ class Worker:
     def _once(self, runner: Engine) -> None:
         """One message, or (when none was ready) the drain check and a wait for work."""
         worked = runner.step(ahead=not self.stop_event.is_set())
-        self.last_progress = time.monotonic()
-        if self.observing:
-            metrics.HEARTBEAT.set(time.time())
-        if worked:
-            return
-        if self.config.drain and self._drained():
-            self.stop_event.set()
-            return
-        runner.transport.wait_for_work(self.stop_event, self.config.poll_interval)
+        self.progressed()
+        if not worked:
+            self.idle(runner)
 
     def _housekeeping(self) -> None:
         """From the main thread: queue depth every 15 s, hot entities in the log every 60 s."""
@@ -317,7 +379,9 @@ class Worker:
         return all(runner.transport.is_drained() for runner in self.runners)
 
     def _join(self, threads: list[threading.Thread]) -> int:
-        deadline = time.monotonic() + self.config.shutdown_timeout
+        # An engine serving itself cancels its calls at the deadline: give it time to.
+        grace = SERVES_GRACE if any(isinstance(r, Serves) for r in self.runners) else 0.0
+        deadline = time.monotonic() + self.config.shutdown_timeout + grace
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         abandoned = sum(t.is_alive() for t in threads)
@@ -343,6 +407,11 @@ class Worker:
         if self.config.stats_file:
             with open(self.config.stats_file, "w", encoding="utf-8") as fh:
                 json.dump({"elapsed_seconds": round(elapsed, 3), **stats}, fh)
+
+
+def _reachable(dsn: str, timeout: float) -> bool:
+    connect(dsn, timeout).close()
+    return True
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -146,3 +147,18 @@ class AffinityProbe(Handler):
         cpus = sorted(os.sched_getaffinity(0))
         with open(message.json()["path"], "w") as out:
             out.write(",".join(map(str, cpus)))
+
+
+class SessionHolds(Handler):
+    """A session-scope handler (the session-lock engine) that holds its entity for `work_ms`,
+    awaiting: no transaction and no connection of its own during the call."""
+
+    lock_namespace = 47
+    lock_scope = "session"
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
+        await asyncio.sleep(float(message.json().get("work_ms", 1)) / 1000)

@@ -22,6 +22,7 @@ from .claims import ClaimedTransactions
 
 if TYPE_CHECKING:
     from ...handler import Handler
+    from ...sessions.sources import Source
 
 log = logging.getLogger("dedupworker")
 
@@ -57,6 +58,13 @@ class PostgresTransport:
     def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> ClaimedTransactions:
         """Each message's transaction, opened by its claim (transport.OpensTransactions)."""
         return ClaimedTransactions(self, handler, pool)
+
+    def session_claims(self) -> Source:
+        """Jobs claimed by session locks, for the session-lock engine
+        (transport.ClaimsOnSessions)."""
+        from .sessions import SessionClaims  # it builds Jobs: imported once this module is
+
+        return SessionClaims(self)
 
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock

@@ -1,0 +1,89 @@
+"""What a session-scope handler gets as `conn`: reads through a pooled connection for the
+moment they take, writes queued for the message's settlement.
+
+    conn.execute(query, params)   queued: committed with the settlement, on the lock session,
+                                  before the entity's lock is released (never if it was lost)
+    await conn.fetchone(...)      a read in a pooled connection of its own (autocommit), held
+    await conn.fetchall(...)      for that statement only
+    async with conn.read() as c:  a pooled psycopg connection lent for several reads
+
+`AsyncCallConnection` is what an `async def handle` gets; `CallConnection`, with the same
+methods as plain functions, what a plain `def handle` (run on a thread) gets. After the call's
+lock session was lost, every method raises `SessionLost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from .lock_session import SessionLost
+
+Query = str | bytes | pgsql.SQL | pgsql.Composed
+Params = tuple[Any, ...] | list[Any] | dict[str, Any] | None
+
+
+class _Writes:
+    """The writes a call queued, and whether its lock is still held."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[Query, Params]] = []
+        self.cut = False  # the call's lock session was lost
+
+    def execute(self, query: Query, params: Params = None) -> None:
+        """Queue a write for the settlement (see the module docstring); returns nothing."""
+        self._check()
+        self.writes.append((query, params))
+
+    def _check(self) -> None:
+        if self.cut:
+            raise SessionLost("this call's lock session was lost: nothing more is written")
+
+
+class AsyncCallConnection(_Writes):
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        super().__init__()
+        self._pool = pool
+
+    async def fetchone(self, query: Query, params: Params = None) -> tuple[Any, ...] | None:
+        async with self.read() as conn:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchone()
+
+    async def fetchall(self, query: Query, params: Params = None) -> list[tuple[Any, ...]]:
+        async with self.read() as conn:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchall()
+
+    @contextlib.asynccontextmanager
+    async def read(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled connection for reads (autocommit); what it writes is not under the lock."""
+        self._check()
+        async with self._pool.connection() as conn:
+            yield conn
+
+
+class CallConnection(_Writes):
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
+        super().__init__()
+        self._pool = pool
+
+    def fetchone(self, query: Query, params: Params = None) -> tuple[Any, ...] | None:
+        with self.read() as conn:
+            return conn.execute(query, params).fetchone()
+
+    def fetchall(self, query: Query, params: Params = None) -> list[tuple[Any, ...]]:
+        with self.read() as conn:
+            return conn.execute(query, params).fetchall()
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for reads (autocommit); what it writes is not under the lock."""
+        self._check()
+        with self._pool.connection() as conn:
+            yield conn
