@@ -197,7 +197,7 @@ def test_both_engines_share_a_queue_and_exclude_each_other(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for name, *args in commands
     ]
     for worker in workers:
