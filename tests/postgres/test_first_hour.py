@@ -286,4 +286,5 @@ def test_more_threads_than_the_server_allows_fail_with_the_limit_named(dsn: str)
     assert done.returncode == 1, done.stderr
     assert "could not open the worker's 401 connections" in done.stderr
     assert "max_connections=300" in done.stderr and "lower --concurrency" in done.stderr
+    assert 'lock_scope = "session"' in done.stderr  # the engine whose calls hold none
     assert "Traceback" not in done.stderr
