@@ -274,6 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"calls in flight of the session engine (0: skip it); {SESSION_CONCURRENCY}",
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; 1")
+    parser.add_argument("--session-only", action="store_true", help="skip today's engine")
     add_worker_options(parser)
     args = parser.parse_args(argv)
     for name, default in zip(NAMES, DEFAULTS[args.hot], strict=True):
@@ -343,7 +344,7 @@ def setups(args: argparse.Namespace) -> list[tuple[str, int]]:
     rounds = []
     for number in range(args.rounds):
         levels = args.concurrency if number == 0 else [c for c in args.concurrency if c <= SERVED]
-        rounds += [("transaction", c) for c in levels]
+        rounds += [] if args.session_only else [("transaction", c) for c in levels]
         if args.session_concurrency:
             rounds.append(("session", args.session_concurrency))
     return rounds

@@ -249,16 +249,17 @@ SESSION_UNLOCK = (
     f"SELECT count(*) FILTER (WHERE {_on_key('pg_advisory_unlock_shared')}) FROM {_RESOLVED}"
 )
 
-# The claim: ready jobs, oldest first, that this worker does not hold (a session takes no key
-# twice), passing over jobs whose entity given at enqueue is one it holds a job of already, and
-# taking one job per such entity: their calls could not run now, and a slot of --concurrency
-# spent waiting is a slot without a call. Then the lock of each; SESSION_CLAIMED reads them
-# again after the locks, in a snapshot of its own: a job that another worker settled (COMMIT,
-# then unlock) just before our lock is gone by then.
-SESSION_CLAIM = f"""
+# The claim, in three statements. SESSION_CANDIDATES (on a pooled connection) reads ready jobs,
+# oldest first, that this worker does not hold (a session takes no key twice), with at most two
+# in hand per entity given at enqueue (one running, one waiting to run next): its parameters
+# are the ids in hand, the entities with two in hand (passed over) and those with one (one
+# more is taken); more of one entity could not run now. SESSION_CLAIM (on the lock session: the
+# only statement of the claim that needs it) locks each. SESSION_CLAIMED (pooled) reads them
+# again after the locks, in a snapshot taken after them: a job that another worker settled
+# (COMMIT, then unlock) just before our lock is gone by then.
+SESSION_CANDIDATES = """
 SELECT id FROM (
-    SELECT id, entity,
-           row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
+    SELECT id, entity, row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
     FROM (
         SELECT id, entity, run_at FROM dedupworker.jobs
         WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
@@ -268,8 +269,10 @@ SELECT id FROM (
         LIMIT %s
     ) head
 ) candidates
-WHERE (entity IS NULL OR nth = 1) AND pg_try_advisory_lock({JOB_KEY})
+WHERE entity IS NULL
+   OR nth <= CASE WHEN entity::text IN (SELECT unnest(%s::text[])) THEN 1 ELSE 2 END
 """
+SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
 SESSION_CLAIMED = """
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity::text

@@ -3,6 +3,8 @@ capabilities some add, each an explicit Protocol checked once when the worker st
 
     Transport             ack, requeue, dead_letter, wait_for_work, is_drained, close
     ├── Receives          receive: messages handed over, settled after the transaction (SQS, Kafka)
+    │   └── ReceivesMany  receive_many: many at once, owned by no thread (SQS, for the
+    │                     session-lock engine)
     ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
     ├── ClaimsOnSessions  session_claims: messages claimed by session locks (postgres, for the
     │                     session-lock engine)
@@ -83,6 +85,14 @@ class Receives(Transport, Protocol):
     """Messages handed over one at a time; settled once the handler's transaction ended."""
 
     def receive(self, conn: None) -> Delivery | None: ...
+
+
+@runtime_checkable
+class ReceivesMany(Protocol):
+    """Many messages at once, for an engine that keeps them all (the session-lock engine): no
+    handler thread owns them, so none is taken for orphaned by the thread's next receive."""
+
+    def receive_many(self, count: int) -> list[Delivery]: ...
 
 
 @runtime_checkable

@@ -65,8 +65,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("dedupworker")
 
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
+# Messages in hand per call slot of --concurrency: the calls running, and as many waiting for
+# their entity's turn (the next message of an entity is there when the last one settles).
+IN_HAND_PER_SLOT = 2
 # Below this much room (or a tenth of --concurrency, if less), wait for more before taking.
-TAKE_AT_LEAST = 100
+TAKE_AT_LEAST = 32
 REOPEN_BACKOFF_MAX = 2.0
 # Seconds the calls cancelled at the shutdown deadline get to end (a thread cannot be stopped:
 # the process exit ends it). The worker waits this much longer for an engine serving itself.
@@ -76,7 +79,17 @@ SHUTDOWN_GRACE = 2.0
 class SessionCall(Call):
     """A message in the session-lock engine, from taken to settled."""
 
-    __slots__ = ("call_conn", "cut", "guard", "key", "primary", "resolved", "settled", "task")
+    __slots__ = (
+        "call_conn",
+        "cut",
+        "guard",
+        "key",
+        "primary",
+        "resolved",
+        "settled",
+        "slot",
+        "task",
+    )
 
     def __init__(self, delivery: Any, primary: LockSession | None) -> None:
         super().__init__(delivery, None)
@@ -87,6 +100,7 @@ class SessionCall(Call):
         self.call_conn: AsyncCallConnection | CallConnection | None = None
         self.cut = False  # its primary session was lost: it never settles
         self.settled = False
+        self.slot = False  # it holds one of the --concurrency call slots
         self.task: asyncio.Task[None] | None = None
 
 
@@ -123,6 +137,7 @@ class SessionEngine:
         self._by_session: dict[LockSession, set[SessionCall]] = collections.defaultdict(set)
         self._turns: dict[SessionKey, collections.deque[asyncio.Future[None]]] = {}
         self._room = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.concurrency)  # calls running (--concurrency)
         self._read_pool: AsyncConnectionPool[Any] | None = None
         self._sync_pool: ConnectionPool[Any] | None = None
         self._stopping = False
@@ -234,7 +249,7 @@ class SessionEngine:
         idle: asyncio.Future[None] | None = None
         while not host.stop_event.is_set():
             await self._keep_sessions()
-            room = self.config.concurrency - len(self._calls)
+            room = self.config.concurrency * IN_HAND_PER_SLOT - len(self._calls)
             if room < min(TAKE_AT_LEAST, max(1, self.config.concurrency // 10)) and self._calls:
                 await self._wait_for_room(host)
                 continue
@@ -266,7 +281,8 @@ class SessionEngine:
             await asyncio.sleep(0.1)  # no session open now: _keep_sessions reopens them
             return 0
         try:
-            deliveries = await self._source.take(session, room)
+            assert self._read_pool is not None
+            deliveries = await self._source.take(session, room, self._read_pool)
         except (SessionLost, psycopg.Error) as exc:
             log.warning("%s: taking messages failed (%s); trying again", self.handler.name, exc)
             await asyncio.sleep(0.2)
@@ -297,7 +313,9 @@ class SessionEngine:
             log.warning(
                 "%s: %d call(s) still running at the %gs shutdown deadline: cancelled, their "
                 "messages come back",
-                self.handler.name, len(running), self.config.shutdown_timeout,
+                self.handler.name,
+                len(running),
+                self.config.shutdown_timeout,
             )
             for call in list(self._calls):
                 call.cut = True
@@ -344,6 +362,8 @@ class SessionEngine:
         call.entity = entity
         call.key = session_key(handler.lock_namespace, entity, handler.lock_key_mode)
         await self._take_turn(call, call.key)
+        await self._slots.acquire()
+        call.slot = True
         if not await self._lock(call, call.key):
             call.met_busy = True
             return on_contended(handler, delivery)
@@ -513,6 +533,9 @@ class SessionEngine:
             with contextlib.suppress(SessionLost):
                 await asyncio.gather(*released)
         self._end_turn(call)
+        if call.slot:
+            call.slot = False
+            self._slots.release()
         for session in (call.primary, call.guard):
             if session is not None:
                 self._by_session[session].discard(call)

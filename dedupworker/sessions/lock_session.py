@@ -193,6 +193,10 @@ class LockSession:
             raise
         except Exception as exc:
             self._lose(exc)
+            # Declared lost on a deadline, the backend may still live and hold the locks: end
+            # it, or they would stay held (by nobody) until the server noticed.
+            with contextlib.suppress(Exception):
+                await self.conn.close()
 
     async def _round(self) -> None:
         """Send what is waiting, most urgent first: settlements and unlocks free keys."""

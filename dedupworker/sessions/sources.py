@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outcomes import Verdict, carry_out
-from ..transport import Delivery, Receives
+from ..transport import Delivery, Receives, ReceivesMany
 
 if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool
+
     from ..wire import Rows
     from .lock_session import LockSession
 
@@ -50,8 +52,10 @@ _NO_ROWS = _NoRows()
 class Source(Protocol):
     claims_on_sessions: bool  # `take` claims on the session it is given (postgres)
 
-    async def take(self, session: LockSession | None, count: int) -> list[Delivery]:
-        """Up to `count` messages ([] when none is ready)."""
+    async def take(
+        self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
+    ) -> list[Delivery]:
+        """Up to `count` messages ([] when none is ready); `reads`: the engine's read pool."""
 
     def forget(self, delivery: Delivery) -> None:
         """The message is out of the engine's hands (settled or given back)."""
@@ -80,11 +84,15 @@ class ReceivedSource:
         self.transport = transport
         self._io = io
 
-    async def take(self, session: LockSession | None, count: int) -> list[Delivery]:
+    async def take(
+        self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
+    ) -> list[Delivery]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._io, self._receive, min(count, RECEIVE_BATCH))
 
     def _receive(self, count: int) -> list[Delivery]:
+        if isinstance(self.transport, ReceivesMany):
+            return self.transport.receive_many(count)
         taken = []
         for _ in range(count):
             delivery = self.transport.receive(None)

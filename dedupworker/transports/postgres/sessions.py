@@ -12,6 +12,7 @@ commits on the same session, before the job's lock is released.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ... import sql
@@ -22,6 +23,7 @@ from ...transport import Delivery
 
 if TYPE_CHECKING:
     import psycopg
+    from psycopg_pool import AsyncConnectionPool
 
     from ...sessions.lock_session import LockSession
     from .queue import PostgresTransport
@@ -29,7 +31,14 @@ if TYPE_CHECKING:
 # Candidates read per claim, for each job wanted: some are held by other workers, some share
 # an entity.
 CANDIDATES_PER_JOB = 3
+CANDIDATES_MIN = 1000  # candidates read per claim at least: most may be of entities in hand
 CLAIM_MAX = 500  # jobs claimed in one statement
+PER_ENTITY = 2  # jobs in hand per entity given at enqueue: one running, the next one waiting
+
+
+async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> list[int]:
+    cursor = await conn.execute(sql.SESSION_CLAIM, (jobs,))
+    return [row[0] for row in await cursor.fetchall()]
 
 
 class SessionJob(NamedTuple):
@@ -49,30 +58,33 @@ class SessionClaims:
         self._held: set[int] = set()  # ids of the jobs in hand
         self._entities: collections.Counter[str] = collections.Counter()  # theirs, given
 
-    async def take(self, session: LockSession | None, count: int) -> list[Delivery]:
+    async def take(
+        self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
+    ) -> list[Delivery]:
+        """Claim up to `count` jobs on `session`: read candidates and read the claimed jobs
+        on a pooled connection, lock them on the session (sql.SESSION_CANDIDATES)."""
         assert session is not None
         count = min(count, CLAIM_MAX)
-
-        async def claim(conn: psycopg.AsyncConnection[Any]) -> list[Delivery]:
-            params = (
-                self.queue.queue,
-                list(self._held),
-                list(self._entities),
-                count * CANDIDATES_PER_JOB,
-            )
-            cursor = await conn.execute(sql.SESSION_CLAIM, params)
-            locked = [row[0] for row in await cursor.fetchall()]
-            if not locked:
-                return []
+        full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
+        one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
+        limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
+        params = (self.queue.queue, list(self._held), full, limit, one)
+        async with reads.connection() as conn:
+            cursor = await conn.execute(sql.SESSION_CANDIDATES, params)
+            candidates = [row[0] for row in await cursor.fetchall()]
+        if not candidates:
+            return []
+        locked = await session.use(functools.partial(_lock_jobs, candidates))
+        if not locked:
+            return []
+        async with reads.connection() as conn:
             rows = await (await conn.execute(sql.SESSION_CLAIMED, (locked,))).fetchall()
-            kept = rows[:count]
-            taken = {row[0] for row in kept}
-            spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra
-            if spare:
-                await conn.execute(sql.SESSION_JOB_UNLOCK, (spare,))
-            return [self._delivery(row) for row in kept]
-
-        return await session.use(claim)
+        kept = rows[:count]
+        taken = {row[0] for row in kept}
+        spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra
+        if spare:
+            session.unlock(jobs=spare)
+        return [self._delivery(row) for row in kept]
 
     def _delivery(self, row: tuple[Any, ...]) -> Delivery:
         job_id, body, headers, attempts, contentions, contended_since, entity = row

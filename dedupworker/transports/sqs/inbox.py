@@ -64,6 +64,31 @@ class _Inbox:
             self.waiting -= 1
             return None
 
+    def take_ready(self, count: int) -> list[Delivery]:
+        """Up to `count` messages that are ready, at once, tracked by no thread: for an engine
+        that keeps many at once and settles or gives back each (the session-lock engine)."""
+        with self.cond:
+            taken: list[Delivery] = []
+            while len(taken) < count and not (self.stopping or self.closed):
+                delivery = self._pop()
+                if delivery is None:
+                    break
+                taken.append(delivery)
+            return taken
+
+    def add(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Add what a fetch of `take_ready`'s caller received; returns what to hand back (the
+        inbox closed meanwhile)."""
+        with self.cond:
+            if not deliveries:
+                self.empty_fetches += 1
+            self.cond.notify_all()
+            if self.closed:
+                return deliveries
+            for delivery in deliveries:
+                self._add(delivery)
+            return []
+
     def fetched(
         self, want: int, deliveries: list[Delivery]
     ) -> tuple[Delivery | None, list[Delivery]]:

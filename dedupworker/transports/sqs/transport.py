@@ -36,7 +36,7 @@ from .attributes import (
     _headers,
 )
 from .client import _client, _explain, _redrive_note, _visibility
-from .inbox import _chunks, _Inbox
+from .inbox import BATCH, _chunks, _Inbox
 from .options import MAX_VISIBILITY, SqsOptions
 from .state import STATE, _Receipt, _receipt, _State, _string
 
@@ -100,6 +100,16 @@ class SqsTransport:
         if isinstance(step, int):
             return self._fetch(step)
         return step
+
+    def receive_many(self, count: int) -> list[Delivery]:
+        """Up to `count` messages for an engine that keeps many at once (transport.ReceivesMany,
+        the session-lock engine): those already received, else one receive of up to ten (a
+        long poll only then). No thread owns them: the engine settles or gives back each."""
+        taken = self._inbox.take_ready(count)
+        if taken:
+            return taken
+        self._hand_back(self._inbox.add(self._receive_batch(min(BATCH, max(1, count)))))
+        return self._inbox.take_ready(count)
 
     def ack(self, delivery: Delivery, conn: Any) -> None:
         self._inbox.delete(delivery)
