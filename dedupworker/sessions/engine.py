@@ -508,18 +508,21 @@ class SessionEngine:
     def _statements(
         self, call: SessionCall, verdict: Verdict, writes: bool
     ) -> list[tuple[Any, Any]]:
+        """In the transaction engine's order: the ledger record, the call's writes (kept
+        outcomes only), the source's settling statements, then `after_settle`'s writes."""
         conn = call.call_conn
         queued: list[tuple[Any, Any]] = []
         if verdict.record is not None:
             queued.append((sql.DEDUP_RECORD, (self.handler.ledger_scope, verdict.record)))
+        if conn is not None and writes and verdict.outcome in _KEPT:
+            queued.extend(conn.writes)
+        queued.extend(self._source.statements(call.delivery, verdict))
         if conn is not None:
-            if not (writes and verdict.outcome in _KEPT):
-                conn.writes.clear()
+            conn.writes.clear()
             if self._after_settle:
                 self.handler.after_settle(call.delivery.message, verdict.outcome, conn)  # type: ignore[arg-type]
-            queued.extend(conn.writes)
-            conn.writes.clear()
-        queued.extend(self._source.statements(call.delivery, verdict))
+                queued.extend(conn.writes)
+                conn.writes.clear()
         return queued
 
     async def _end(self, call: SessionCall) -> None:

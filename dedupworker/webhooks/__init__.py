@@ -5,14 +5,18 @@ Both ends of a webhook in one package (docs/webhooks.md):
 - senders run `WebhookDelivery`, a ready handler, over a queue of deliveries enqueued with
   `enqueue_deliveries()` to endpoints registered with `add_endpoint()`. Requests carry the
   Standard Webhooks headers (`webhook-id`, `webhook-timestamp`, `webhook-signature`).
+  `SessionWebhookDelivery` is the same handler in the session-lock engine: thousands of
+  deliveries in flight on a few database connections.
 - receivers check a request with `verify()`.
 
-Signing and verifying need only the standard library; the HTTP client (urllib3, the extra
-`dedupworker[webhooks]`) is imported when the first delivery is sent.
+Signing and verifying need only the standard library; the HTTP clients (urllib3, and httpx for
+`SessionWebhookDelivery`: the extra `dedupworker[webhooks]`) are imported when the first
+delivery is sent.
 
 Modules: `signing` (secrets, signatures, `verify`), `endpoints`, `deliveries` (the message body,
 `enqueue_deliveries`), `responses` (what an attempt's response means), `sending` (the HTTP
-client), `handler` (`WebhookDelivery`), `retention` (`PurgeWebhookAttempts`). Import the names
+client), `handler` (`WebhookDelivery`), `async_sending` and `session` (the asyncio client and
+`SessionWebhookDelivery`), `retention` (`PurgeWebhookAttempts`). Import the names
 from here: `dedupworker.webhooks:WebhookDelivery` on the command line.
 """
 
@@ -22,6 +26,7 @@ from .handler import DEFAULT_RETRY_DELAYS, WEBHOOK_NAMESPACE, WebhookDelivery
 from .responses import AttemptResult, Fate, classify, parse_retry_after, retry_schedule
 from .retention import PurgeWebhookAttempts
 from .sending import Sender
+from .session import SessionWebhookDelivery
 from .signing import (
     DEFAULT_TOLERANCE,
     SECRET_BYTES,
@@ -48,6 +53,7 @@ __all__ = [  # noqa: RUF022
     "SECRET_BYTES",
     "SECRET_PREFIX",
     "Sender",
+    "SessionWebhookDelivery",
     "WEBHOOK_NAMESPACE",
     "Webhook",
     "WebhookDelivery",

@@ -12,13 +12,12 @@ from typing import Any
 
 import psycopg
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, Reject
 from .signing import generate_secret, secret_key
 
-_ENDPOINT = """
-SELECT id, url, secrets, disabled_at, disabled_reason
-FROM dedupworker_webhooks.endpoints WHERE id = %s
-"""
+# One endpoint's row, as `endpoint_from_row` reads it (the sync and the async handler both).
+ENDPOINT_COLUMNS = "id, url, secrets, disabled_at, disabled_reason"
+ENDPOINT = f"SELECT {ENDPOINT_COLUMNS} FROM dedupworker_webhooks.endpoints WHERE id = %s"
 _SAVE_ENDPOINT = """
 INSERT INTO dedupworker_webhooks.endpoints (id, url, secrets) VALUES (%s, %s, %s)
 ON CONFLICT (id) DO UPDATE
@@ -78,10 +77,28 @@ def enable_endpoint(conn: psycopg.Connection[Any], endpoint_id: str) -> None:
 
 
 def load_endpoint(conn: psycopg.Connection[Any], endpoint_id: str) -> Endpoint | None:
-    row = conn.execute(_ENDPOINT, (endpoint_id,)).fetchone()
+    return endpoint_from_row(conn.execute(ENDPOINT, (endpoint_id,)).fetchone())
+
+
+def endpoint_from_row(row: tuple[Any, ...] | None) -> Endpoint | None:
+    """The endpoint of an `ENDPOINT` row (None: no such endpoint)."""
     if row is None:
         return None
     return Endpoint(row[0], row[1], tuple(row[2]), row[3], row[4])
+
+
+def usable_endpoint(endpoint: Endpoint | None, endpoint_id: str) -> Endpoint:
+    """`endpoint` if deliveries may go to it; Reject (dead-letter, no request) when it is
+    unknown, disabled or its URL is not http(s)."""
+    if endpoint is None:
+        raise Reject(f"no webhook endpoint {endpoint_id!r}")
+    if endpoint.disabled_at is not None:
+        raise Reject(f"endpoint {endpoint_id!r} is disabled: {endpoint.disabled_reason}")
+    try:
+        _check_url(endpoint.url)
+    except ValueError as exc:
+        raise Reject(str(exc)) from None
+    return endpoint
 
 
 def _check_url(url: str) -> None:

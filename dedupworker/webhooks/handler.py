@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import psycopg
 
@@ -15,7 +15,7 @@ from ..handler import Handler
 from ..message import Message
 from ..outcomes import Outcome
 from .deliveries import Webhook, parse
-from .endpoints import _DISABLE, Endpoint, _check_url, load_endpoint
+from .endpoints import _DISABLE, Endpoint, load_endpoint, usable_endpoint
 from .responses import AttemptResult, Fate, classify, retry_schedule
 from .sending import Sender
 from .signing import signature_header
@@ -49,6 +49,13 @@ SET run_at = e.run_at + interval '1 millisecond'
 FROM (SELECT max(run_at) AS run_at FROM earlier) e
 WHERE j.id = %(job)s AND j.status = 'ready' AND e.run_at >= j.run_at
 """
+
+
+class Writes(Protocol):
+    """Where attempt records go: a psycopg connection (in the message's transaction), or the
+    session-lock engine's call connection (queued for the settlement)."""
+
+    def execute(self, query: str, params: Any = None) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,65 +112,34 @@ class WebhookDelivery(Handler):
         """Called by the runner under the lock: False makes the delivery wait as contended."""
         if not self._ordered(message):
             return True
-        params = {"endpoint": parse(message).endpoint_id, "job": int(message.id)}
-        row = conn.execute(_EARLIER_PENDING, params).fetchone()
-        return not (row and row[0])
+        return not earlier_pending(conn.execute(_EARLIER_PENDING, earlier(message)).fetchone())
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
-        self._local.failed = None
+        self._keep_failed(conn, None)
         webhook = parse(message)
         endpoint = self.endpoint(conn, webhook.endpoint_id)
-        result = self.send(endpoint, webhook)
-        fate = classify(result.status)
-        if fate is Fate.DELIVERED:
-            self._record(conn, message, webhook, result, Outcome.SUCCEEDED)
-            return
-        # Raising rolls the handler's writes back: the record is written by after_settle.
-        self._local.failed = _Failed(message.id, webhook, result, disable=fate is Fate.GONE)
-        raise self.failure(fate, result, message.attempt)
+        self._attempted(conn, message, webhook, self.send(endpoint, webhook))
 
     def after_settle(
         self, message: Message, outcome: Outcome, conn: psycopg.Connection[Any]
     ) -> None:
         """Called by the runner in the message's transaction once the job is settled."""
-        failed: _Failed | None = getattr(self._local, "failed", None)
-        self._local.failed = None
+        failed = self._take_failed(conn)
         if failed is not None and failed.message_id == message.id:
             self._record(conn, message, failed.webhook, failed.result, outcome)
             if failed.disable:
                 reason = f"{failed.result.describe()} for delivery {failed.webhook.delivery_id}"
                 conn.execute(_DISABLE, (reason, failed.webhook.endpoint_id))
         if outcome is Outcome.CONTENDED and self._ordered(message):
-            params = {"endpoint": parse(message).endpoint_id, "job": int(message.id)}
-            conn.execute(_BEHIND_EARLIER, params)
+            conn.execute(_BEHIND_EARLIER, earlier(message))
 
     def endpoint(self, conn: psycopg.Connection[Any], endpoint_id: str) -> Endpoint:
         """The endpoint to deliver to; rejects the delivery when there is none to use."""
-        endpoint = load_endpoint(conn, endpoint_id)
-        if endpoint is None:
-            raise Reject(f"no webhook endpoint {endpoint_id!r}")
-        if endpoint.disabled_at is not None:
-            raise Reject(f"endpoint {endpoint_id!r} is disabled: {endpoint.disabled_reason}")
-        try:
-            _check_url(endpoint.url)
-        except ValueError as exc:
-            raise Reject(str(exc)) from None
-        return endpoint
+        return usable_endpoint(load_endpoint(conn, endpoint_id), endpoint_id)
 
     def send(self, endpoint: Endpoint, webhook: Webhook) -> AttemptResult:
         """One signed POST of the delivery's payload."""
-        body = webhook.content()
-        timestamp = int(time.time())
-        headers = {
-            "content-type": "application/json",
-            "user-agent": f"dedupworker/{__version__}",
-            "webhook-id": webhook.delivery_id,
-            "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature_header(
-                endpoint.secrets, webhook.delivery_id, timestamp, body
-            ),
-        }
-        return self.sender.post(endpoint.url, body, headers)
+        return self.sender.post(endpoint.url, *signed_request(endpoint, webhook))
 
     def failure(self, fate: Fate, result: AttemptResult, attempt: int) -> HandlerSignal:
         """The signal for a failed attempt: retry later, or dead-letter now."""
@@ -192,9 +168,30 @@ class WebhookDelivery(Handler):
         # Other transports keep order themselves (SQS FIFO groups, Kafka keys), or don't.
         return self.entity == "endpoint" and message.transport == "postgres"
 
+    def _attempted(
+        self, conn: Writes, message: Message, webhook: Webhook, result: AttemptResult
+    ) -> None:
+        """A delivered attempt is recorded with the handler's writes; a failed one is kept for
+        after_settle (raising drops the handler's writes) and its signal raised."""
+        fate = classify(result.status)
+        if fate is Fate.DELIVERED:
+            self._record(conn, message, webhook, result, Outcome.SUCCEEDED)
+            return
+        self._keep_failed(conn, _Failed(message.id, webhook, result, disable=fate is Fate.GONE))
+        raise self.failure(fate, result, message.attempt)
+
+    def _keep_failed(self, conn: object, failed: _Failed | None) -> None:
+        """Kept per thread: the runner calls handle and after_settle on one thread."""
+        self._local.failed = failed
+
+    def _take_failed(self, conn: object) -> _Failed | None:
+        failed: _Failed | None = getattr(self._local, "failed", None)
+        self._local.failed = None
+        return failed
+
     def _record(
         self,
-        conn: psycopg.Connection[Any],
+        conn: Writes,
         message: Message,
         webhook: Webhook,
         result: AttemptResult,
@@ -214,3 +211,29 @@ class WebhookDelivery(Handler):
                 result.error,
             ),
         )
+
+
+def earlier(message: Message) -> dict[str, Any]:
+    """The parameters of `_EARLIER_PENDING` and `_BEHIND_EARLIER` for a delivery's job."""
+    return {"endpoint": parse(message).endpoint_id, "job": int(message.id)}
+
+
+def earlier_pending(row: tuple[Any, ...] | None) -> bool:
+    """`_EARLIER_PENDING`'s answer: an earlier delivery to the endpoint is still pending."""
+    return bool(row and row[0])
+
+
+def signed_request(endpoint: Endpoint, webhook: Webhook) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of one attempt, signed now (a retry gets a new timestamp)."""
+    body = webhook.content()
+    timestamp = int(time.time())
+    headers = {
+        "content-type": "application/json",
+        "user-agent": f"dedupworker/{__version__}",
+        "webhook-id": webhook.delivery_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature_header(
+            endpoint.secrets, webhook.delivery_id, timestamp, body
+        ),
+    }
+    return body, headers

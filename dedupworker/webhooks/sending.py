@@ -1,4 +1,7 @@
-"""The HTTP client: urllib3, imported on first use, with a deadline on the whole exchange."""
+"""The HTTP client: urllib3, imported on first use, with a deadline on the whole exchange.
+
+The pieces both clients use (this one and async_sending.py's) are at the end: the error texts
+and the attempt of a response."""
 
 from __future__ import annotations
 
@@ -125,14 +128,13 @@ class Sender:
         except Exception as exc:
             latency = time.perf_counter() - started
             if deadline.expired:
-                error = f"timeout: no complete response within {self.total_timeout:g} s"
+                error = deadline_error(self.total_timeout)
             elif isinstance(exc, self._urllib3.exceptions.HTTPError | OSError):
                 error = _describe_error(exc, self._urllib3)
             else:
                 raise
             return AttemptResult(None, latency, error=error)
-        text = content.decode("utf-8", "replace").replace("\x00", "\ufffd")
-        return AttemptResult(status, time.perf_counter() - started, text, None, retry_after)
+        return answered(status, content, retry_after, started)
 
     def _exchange(
         self, url: str, body: bytes, headers: Mapping[str, str], deadline: _Deadline
@@ -164,7 +166,32 @@ class Sender:
 def _describe_error(exc: BaseException, urllib3: Any) -> str:
     # urllib3's NewConnectionError is a subclass of its ConnectTimeoutError: test it first.
     if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return f"connection failed: {exc}"
+        return describe_failure("connection failed", exc)
     if isinstance(exc, urllib3.exceptions.TimeoutError | TimeoutError):
-        return f"timeout: {exc}"
-    return f"connection error: {type(exc).__name__}: {exc}"
+        return describe_failure("timeout", exc)
+    return describe_failure("connection error", exc)
+
+
+# --- shared with the asyncio client (async_sending.py) ----------------------------------------
+
+
+def deadline_error(seconds: float) -> str:
+    """The error of an attempt cut off by its whole-request deadline (`total_timeout`)."""
+    return f"timeout: no complete response within {seconds:g} s"
+
+
+def describe_failure(kind: str, exc: BaseException, detail: str | None = None) -> str:
+    """An attempt's error: `connection failed: ...`, `timeout: ...` or, for anything else
+    the client raised, `connection error: <type>: ...` (attempt records, retry reasons)."""
+    text = str(exc) if detail is None else detail
+    if kind == "connection error":
+        return f"{kind}: {type(exc).__name__}: {text}"
+    return f"{kind}: {text}"
+
+
+def answered(
+    status: int, content: bytes, retry_after: float | None, started: float
+) -> AttemptResult:
+    """The attempt of a response: its body (already bounded) as text PostgreSQL can store."""
+    text = content.decode("utf-8", "replace").replace("\x00", "\ufffd")
+    return AttemptResult(status, time.perf_counter() - started, text, None, retry_after)

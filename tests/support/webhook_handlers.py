@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tenacity
 
-from dedupworker.webhooks import WebhookDelivery
+from dedupworker.webhooks import SessionWebhookDelivery, WebhookDelivery
 
 
 class QuickDelivery(WebhookDelivery):
@@ -22,3 +22,19 @@ class QuickParallelDelivery(QuickDelivery):
     """The delivery as entity: deliveries to one endpoint run in parallel."""
 
     entity = "delivery"
+
+
+class QuickSessionDelivery(SessionWebhookDelivery):
+    """QuickDelivery's schedule and timeouts, in the session-lock engine."""
+
+    max_attempts = QuickDelivery.max_attempts
+    retry_backoff = QuickDelivery.retry_backoff
+    contention_backoff = QuickDelivery.contention_backoff
+    connect_timeout = QuickDelivery.connect_timeout
+    total_timeout = QuickDelivery.total_timeout
+
+
+class ImpatientSessionDelivery(QuickSessionDelivery):
+    """A whole request may take 1 s."""
+
+    total_timeout = 1.0

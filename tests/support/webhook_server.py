@@ -2,7 +2,8 @@
 
 Each endpoint is a path (`/ep-1`). `script(endpoint, Step(...), ...)` queues the answers to
 its next requests, in order; once they are used up it answers 200. Every request is recorded
-on arrival with its headers, body and the number of requests for its endpoint then in flight.
+on arrival with its headers, body and the number of requests for its endpoint then in flight;
+`most_in_flight()` is the most requests in flight at once, all endpoints together.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class Step:
     trickle: float = 0.0
     # Hold the answer until this many requests for the endpoint are in flight (or 5 s pass).
     wait_for: int = 0
+    # Hold the answer until this many requests, all endpoints together, are in flight (or
+    # `wait_seconds` pass).
+    wait_for_all: int = 0
+    wait_seconds: float = 5.0
 
 
 @dataclass
@@ -52,6 +57,9 @@ class _State:
     )
     in_flight: collections.Counter[str] = field(default_factory=collections.Counter)
     received: list[Received] = field(default_factory=list)
+    # Requests in flight, all endpoints together: now and the most seen.
+    total: int = 0
+    most: int = 0
 
 
 class WebhookServer:
@@ -90,9 +98,15 @@ class WebhookServer:
         """The webhook-id of each request to `endpoint`, in arrival order."""
         return [r.headers["webhook-id"] for r in self.received(endpoint)]
 
+    def most_in_flight(self) -> int:
+        """The most requests in flight at once, all endpoints together."""
+        with self.state.lock:
+            return self.state.most
+
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # many senders connect at once: none waits for a SYN retry
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # clients that time out hang up on purpose
@@ -120,6 +134,8 @@ class _RecordingHandler(BaseHTTPRequestHandler):
         state = self.shared
         with state.lock:
             state.in_flight[endpoint] += 1
+            state.total += 1
+            state.most = max(state.most, state.total)
             script = state.scripts[endpoint]
             step = script.popleft() if script else Step()
             record = Received(
@@ -133,11 +149,15 @@ class _RecordingHandler(BaseHTTPRequestHandler):
             state.lock.notify_all()
             if step.wait_for:
                 state.lock.wait_for(lambda: state.in_flight[endpoint] >= step.wait_for, 5.0)
+            if step.wait_for_all:
+                # Once reached, for good: the first answer lowers the count again.
+                state.lock.wait_for(lambda: state.most >= step.wait_for_all, step.wait_seconds)
         try:
             yield record, step
         finally:
             with state.lock:
                 state.in_flight[endpoint] -= 1
+                state.total -= 1
                 record.finished = time.monotonic()
 
     def _answer(self, step: Step) -> None:
