@@ -244,6 +244,13 @@ WHERE CASE WHEN {_on_key("pg_try_advisory_lock")} THEN
       ELSE false END
 """
 _RESOLVED = "unnest(%s::int4[], %s::int4[], %s::int8[]) WITH ORDINALITY AS t(ns, k, single, i)"
+# The ledger look-up of many calls, sent after their locks (it sees what their entities'
+# earlier calls committed): the (scope, key) pairs the ledger has.
+SESSION_SEEN = """
+SELECT p.scope, p.key
+FROM unnest(%s::text[], %s::text[]) AS t(scope, key)
+JOIN dedupworker.processed p ON p.scope = t.scope AND p.key = t.key
+"""
 SESSION_GUARD = f"SELECT i FROM {_RESOLVED} WHERE {_on_key('pg_try_advisory_lock_shared')}"
 SESSION_UNLOCK = (
     f"SELECT count(*) FILTER (WHERE {_on_key('pg_advisory_unlock_shared')}) FROM {_RESOLVED}"

@@ -7,9 +7,9 @@ session locks on a few lock sessions, thousands in flight on a handful of connec
    lock session, `transports/postgres/sessions.py`), up to `--concurrency` messages in hand;
 2. decide: entity and ledger key (`outcomes.on_bad_entity` if they fail), the entity's turn in
    this process (messages of an entity this process runs wait here, in order: a session never
-   takes one key twice), the lock on the call's primary session and its guard on another
-   (`LockSession.lock` / `guard`, batched with other calls'), the ledger look-up, then the
-   handler: `async def handle` on the event loop, a plain `handle` on a thread, either way with a
+   takes one key twice), a call slot (`--concurrency`), the lock on the call's primary session
+   with the ledger look-up, and its guard on another (`LockSession.lock` / `guard`, batched
+   with other calls'), then the handler: `async def handle` on the event loop, a plain `handle` on a thread, either way with a
    `CallConnection` and no transaction open; the verdict from `dedupworker.outcomes`;
 3. settle: the ledger record, the writes the call queued, the source's statements (postgres:
    delete, requeue, dead letter) commit in one transaction on the primary session, its unlocks
@@ -56,7 +56,14 @@ from ..outcomes import (
 from ..recording import Recorder
 from ..transport import Receives, Transport
 from .connection import AsyncCallConnection, CallConnection
-from .lock_session import LockSession, Resolved, SessionLost, Settlement, SettlementFailed
+from .lock_session import (
+    Lock,
+    LockSession,
+    Resolved,
+    SessionLost,
+    Settlement,
+    SettlementFailed,
+)
 from .sources import ReceivedSource, Source
 
 if TYPE_CHECKING:
@@ -364,10 +371,12 @@ class SessionEngine:
         await self._take_turn(call, call.key)
         await self._slots.acquire()
         call.slot = True
-        if not await self._lock(call, call.key):
+        dedup = None if dedup_key is None else (handler.ledger_scope, dedup_key)
+        locked, seen = await self._lock(call, Lock(call.key, dedup))
+        if not locked:
             call.met_busy = True
             return on_contended(handler, delivery)
-        if dedup_key is not None and await self._seen(dedup_key):
+        if seen:
             return DUPLICATE
         return await self._call(call, dedup_key)
 
@@ -396,39 +405,33 @@ class SessionEngine:
                 return
         del self._turns[key]
 
-    async def _lock(self, call: SessionCall, key: SessionKey) -> bool:
-        """The entity's lock on the call's primary session, then its guard on another."""
+    async def _lock(self, call: SessionCall, lock: Lock) -> tuple[bool, bool]:
+        """The entity's lock on the call's primary session (with the ledger look-up), then its
+        guard on another: whether the entity is ours, whether the ledger has the key."""
         primary = call.primary or self._pick()
         if primary is None:
             raise SessionLost("no lock session is open")
         if call.primary is None:
             call.primary = primary
             self._by_session[primary].add(call)
-        (resolved,) = await primary.lock([key])
+        ((resolved, seen),) = await primary.lock([lock])
         if resolved is None:
-            return False
+            return False, False
         call.resolved = resolved
         self._locks_changed(1)
         guard = self._guard_for(primary)
         if guard is None:
-            return True
+            return True, seen
         try:
             (guarded,) = await guard.guard([resolved])
         except SessionLost:
-            return True  # the guard went: the primary still holds the key
+            return True, seen  # the guard went: the primary still holds the key
         if not guarded:
             self._unlock(call)
-            return False
+            return False, False
         call.guard = guard
         self._by_session[guard].add(call)
-        return True
-
-    async def _seen(self, dedup_key: str) -> bool:
-        assert self._read_pool is not None
-        async with self._read_pool.connection() as conn:
-            cursor = await conn.execute(sql.DEDUP_SEEN, (self.handler.ledger_scope, dedup_key))
-            row = await cursor.fetchone()
-        return bool(row and row[0])
+        return True, seen
 
     async def _call(self, call: SessionCall, dedup_key: str | None) -> Verdict:
         """The handler, under the entity's lock, with no transaction open."""

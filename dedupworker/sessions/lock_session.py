@@ -60,6 +60,18 @@ class SessionLost(Exception):
     """The lock session ended: its locks are gone, nothing more commits on it."""
 
 
+class Lock(NamedTuple):
+    """A key to lock, and the ledger key (scope, key) to look up once it is locked, if any."""
+
+    key: SessionKey
+    dedup: tuple[str, str] | None
+
+
+class Locked(NamedTuple):
+    resolved: Resolved | None  # None: held elsewhere
+    seen: bool  # the ledger has the dedup key
+
+
 class Resolved(NamedTuple):
     """A key as PostgreSQL's lock functions take it: (ns, k), or the one bigint `single`."""
 
@@ -126,10 +138,10 @@ class LockSession:
 
     # --- what callers ask for --------------------------------------------------------------
 
-    async def lock(self, keys: Sequence[SessionKey]) -> list[Resolved | None]:
-        """Lock each key (exclusively, then held shared): its resolved form, or None where it
-        is held elsewhere."""
-        result: list[Resolved | None] = await self._ask(self._locks, keys)
+    async def lock(self, keys: Sequence[Lock]) -> list[Locked]:
+        """Lock each key (exclusively, then held shared) and, once locked, look its ledger key
+        up: its resolved form (None where it is held elsewhere) and whether the ledger has it."""
+        result: list[Locked] = await self._ask(self._locks, keys)
         return result
 
     async def guard(self, keys: Sequence[Resolved]) -> list[bool]:
@@ -302,22 +314,39 @@ class LockSession:
             _resolve(request.done, None)
 
     async def _lock(self, requests: list[_Request]) -> None:
-        keys: list[SessionKey] = [key for request in requests for key in request.items]
+        """sql.SESSION_LOCK, then (in the same round trip, in a snapshot taken after the locks,
+        so that it sees every committed call of the entity) sql.SESSION_SEEN."""
+        locks: list[Lock] = [lock for request in requests for lock in request.items]
+        keys = [lock.key for lock in locks]
         columns = (
             [key.namespace for key in keys],
             [key.number for key in keys],
             [key.text for key in keys],
             [key.wide for key in keys],
         )
-        cursor = await self._deadline(self.conn.execute(sql.SESSION_LOCK, columns))
+        ledger = [lock for lock in locks if lock.dedup is not None]
+        async with self.conn.pipeline():
+            locked = await self.conn.execute(sql.SESSION_LOCK, columns)
+            if ledger:
+                scopes = [lock.dedup[0] for lock in ledger if lock.dedup]
+                dedups = [lock.dedup[1] for lock in ledger if lock.dedup]
+                looked_up = await self.conn.execute(sql.SESSION_SEEN, (scopes, dedups))
         taken: dict[int, Resolved] = {
-            int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await cursor.fetchall()
+            int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await locked.fetchall()
         }
+        seen = (
+            {(str(scope), str(key)) for scope, key in await looked_up.fetchall()}
+            if ledger
+            else set()
+        )
         start = 0
         for request in requests:
-            count = len(request.items)
-            _resolve(request.done, [taken.get(start + j) for j in range(count)])
-            start += count
+            items = [
+                Locked(taken.get(start + j), lock.dedup is not None and lock.dedup in seen)
+                for j, lock in enumerate(request.items)
+            ]
+            _resolve(request.done, items)
+            start += len(request.items)
 
     async def _guard(self, requests: list[_Request]) -> None:
         keys: list[Resolved] = [key for request in requests for key in request.items]
