@@ -79,6 +79,7 @@ class Worker:
         self._next_depth = 0.0
         self._next_hot_log = time.monotonic() + HOT_LOG_INTERVAL
         self.http: ThreadingHTTPServer | None = None
+        self._engine_failed = False
 
     def queue_for(self, handler: Handler) -> str:
         queue = getattr(handler, "queue", None)
@@ -219,7 +220,7 @@ class Worker:
             abandoned = self._join(threads)
         self.close(wait=not abandoned)
         self._report(abandoned)
-        return 1 if abandoned else 0
+        return 1 if abandoned or self._engine_failed else 0
 
     def _threads_of(self, engine: Engine | Serves) -> list[threading.Thread]:
         """`concurrency` handler threads stepping a Runner; one for an engine serving itself."""
@@ -236,8 +237,11 @@ class Worker:
             engine.serve(self)
         except Exception:
             log.exception(
-                "%s: the engine stopped on an error; stopping the worker", engine.handler.name
+                "%s: the engine stopped on an error; stopping the worker (exit 1), its "
+                "messages come back",
+                engine.handler.name,
             )
+            self._engine_failed = True
             self.stop_event.set()
 
     def progressed(self) -> None:

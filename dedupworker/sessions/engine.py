@@ -9,8 +9,9 @@ session locks on a few lock sessions, thousands in flight on a handful of connec
    this process (messages of an entity this process runs wait here, in order: a session never
    takes one key twice), a call slot (`--concurrency`), the lock on the call's primary session
    with the ledger look-up, and its guard on another (`LockSession.lock` / `guard`, batched
-   with other calls'), then the handler: `async def handle` on the event loop, a plain `handle` on a thread, either way with a
-   `CallConnection` and no transaction open; the verdict from `dedupworker.outcomes`;
+   with other calls'), then the handler: `async def handle` on the event loop, a plain
+   `handle` on a thread, either way with a `CallConnection` and no transaction open; the
+   verdict from `dedupworker.outcomes`;
 3. settle: the ledger record, the writes the call queued, the source's statements (postgres:
    delete, requeue, dead letter) commit in one transaction on the primary session, its unlocks
    in the same round trip (`LockSession.settle`); SQS and Kafka then carry the verdict out;
@@ -37,9 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from .. import metrics, sql
+from ..db import retryable
 from ..engine import Call, Host
 from ..errors import DatabaseUnavailable
 from ..handler import Handler
@@ -89,6 +91,7 @@ class SessionCall(Call):
     __slots__ = (
         "call_conn",
         "cut",
+        "ending",
         "guard",
         "key",
         "primary",
@@ -107,6 +110,7 @@ class SessionCall(Call):
         self.call_conn: AsyncCallConnection | CallConnection | None = None
         self.cut = False  # its primary session was lost: it never settles
         self.settled = False
+        self.ending = False  # in _end: past cancelling
         self.slot = False  # it holds one of the --concurrency call slots
         self.task: asyncio.Task[None] | None = None
 
@@ -144,6 +148,7 @@ class SessionEngine:
         self._by_session: dict[LockSession, set[SessionCall]] = collections.defaultdict(set)
         self._turns: dict[SessionKey, collections.deque[asyncio.Future[None]]] = {}
         self._room = asyncio.Event()
+        self._reopening = asyncio.Lock()
         self._slots = asyncio.Semaphore(config.concurrency)  # calls running (--concurrency)
         self._read_pool: AsyncConnectionPool[Any] | None = None
         self._sync_pool: ConnectionPool[Any] | None = None
@@ -212,7 +217,10 @@ class SessionEngine:
             name=f"dedupworker-read:{self.handler.name}",
             timeout=self.config.connect_timeout,
         )
-        await self._read_pool.open(wait=True, timeout=self.config.connect_timeout)
+        try:
+            await self._read_pool.open(wait=True, timeout=self.config.connect_timeout)
+        except PoolTimeout:
+            raise DatabaseUnavailable(_no_reads(self.config.dsn, size)) from None
         if not self._async:
             self._sync_pool = ConnectionPool(
                 self.config.dsn,
@@ -226,12 +234,21 @@ class SessionEngine:
             self._sync_pool.open(wait=True, timeout=self.config.connect_timeout)
 
     async def _open_session(self, index: int, start: bool = False) -> LockSession:
-        try:
-            session = await LockSession.open(self.lock_dsn, index, self._name(f"locks-{index}"))
-        except psycopg.OperationalError as exc:
-            if start:
-                raise DatabaseUnavailable(_no_session(self.lock_dsn, exc)) from None
-            raise
+        """A new lock session; at start, retried for --connect-timeout while the database is
+        restarting or unreachable, then a clear error."""
+        deadline = time.monotonic() + (self.config.connect_timeout if start else 0.0)
+        delay = 0.1
+        while True:
+            try:
+                session = await LockSession.open(self.lock_dsn, index, self._name(f"locks-{index}"))
+                break
+            except psycopg.OperationalError as exc:
+                if not start:
+                    raise
+                if not retryable(exc) or time.monotonic() + delay > deadline:
+                    raise DatabaseUnavailable(_no_session(self.lock_dsn, exc)) from None
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
         session.on_lost = self._on_lost
         return session
 
@@ -265,17 +282,30 @@ class SessionEngine:
             if taken:
                 continue
             if not self._calls:
-                await self._loop.run_in_executor(self._io, host.idle, self)
+                await self._idle(host)
                 continue
             self._room.clear()
             if idle is None or idle.done():
                 # Woken by new work (a NOTIFY), or by a call's end making room.
-                idle = self._loop.run_in_executor(
-                    self._io, self._source.wait_for_work, host.stop_event, self.config.poll_interval
-                )
+                idle = self._loop.run_in_executor(self._io, self._wait_for_work, host.stop_event)
                 idle.add_done_callback(lambda _: self._room.set())
             await self._room.wait()
         await self._finish()
+
+    async def _idle(self, host: Host) -> None:
+        """Nothing in hand: the host's drain check and wait, retried while the database is
+        away (a drain check that fails says nothing)."""
+        try:
+            await self._loop.run_in_executor(self._io, host.idle, self)
+        except psycopg.Error as exc:
+            log.warning("%s: the drain check failed (%s); trying again", self.handler.name, exc)
+            await asyncio.sleep(min(1.0, self.config.poll_interval))
+
+    def _wait_for_work(self, stop: Any) -> None:
+        try:
+            self._source.wait_for_work(stop, self.config.poll_interval)
+        except psycopg.Error:
+            stop.wait(min(1.0, self.config.poll_interval))
 
     async def _wait_for_room(self, host: Host) -> None:
         self._room.clear()
@@ -389,7 +419,12 @@ class SessionEngine:
             call.met_busy = True
             turn: asyncio.Future[None] = self._loop.create_future()
             waiters.append(turn)
-            await turn
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled() and turn.exception() is None:
+                    call.turn = key  # granted just before the cancel: _end passes it on
+                raise
         call.turn = key
 
     def _end_turn(self, call: SessionCall) -> None:
@@ -419,14 +454,16 @@ class SessionEngine:
             return False, False
         call.resolved = resolved
         self._locks_changed(1)
+        if len(self._sessions) == 1:
+            return True, seen  # --lock-sessions 1: no guard, by choice
         guard = self._guard_for(primary)
-        if guard is None:
-            return True, seen
-        try:
-            (guarded,) = await guard.guard([resolved])
-        except SessionLost:
-            return True, seen  # the guard went: the primary still holds the key
-        if not guarded:
+        guarded = False
+        if guard is not None:
+            with contextlib.suppress(SessionLost):
+                (guarded,) = await guard.guard([resolved])
+        if guard is None or not guarded:
+            # No second session to guard it (one was lost and is not back yet), or an
+            # exclusive waiter on the key: never run unguarded; back as contended.
             self._unlock(call)
             return False, False
         call.guard = guard
@@ -529,15 +566,22 @@ class SessionEngine:
         return queued
 
     async def _end(self, call: SessionCall) -> None:
-        """Whatever happened: locks and claims not settled go back, the turn passes on."""
-        if not call.settled:
-            released = [self._release_guard(call), self._unlock(call)]
-            if not call.cut or not self._source.claims_on_sessions:
-                with contextlib.suppress(Exception):
-                    session = None if call.cut else call.primary
-                    await self._source.give_back(call.delivery, session)
-            with contextlib.suppress(SessionLost):
-                await asyncio.gather(*released)
+        """Whatever happened: locks and claims not settled go back, the turn passes on (even
+        if the giving back is cancelled: the bookkeeping is in `finally`)."""
+        call.ending = True  # a lost session no longer cancels it
+        try:
+            if not call.settled:
+                released = [self._release_guard(call), self._unlock(call)]
+                if not call.cut or not self._source.claims_on_sessions:
+                    with contextlib.suppress(Exception):
+                        session = None if call.cut else call.primary
+                        await self._source.give_back(call.delivery, session)
+                with contextlib.suppress(SessionLost):
+                    await asyncio.gather(*released)
+        finally:
+            self._forget(call)
+
+    def _forget(self, call: SessionCall) -> None:
         self._end_turn(call)
         if call.slot:
             call.slot = False
@@ -588,9 +632,10 @@ class SessionEngine:
         for call in list(self._by_session.pop(session, ())):
             if call.guard is session:
                 call.guard = None
-            if call.primary is session and not (call.settled or call.cut):
+            if call.primary is session and not (call.settled or call.cut or call.ending):
                 self._cut(call, session)
         self._reopen_at = 0.0
+        self._loop.create_task(self._keep_sessions())  # reopen at once, not at the next take
 
     def _cut(self, call: SessionCall, session: LockSession) -> None:
         call.cut = True
@@ -600,9 +645,12 @@ class SessionEngine:
             call.task.cancel()
             if self.observe:
                 self._m_cancelled.inc()
-            call.task.add_done_callback(functools.partial(self._ran_on, call, session.alive_at))
+            guarded = call.guard is not None
+            call.task.add_done_callback(
+                functools.partial(self._ran_on, call, session.alive_at, guarded)
+            )
 
-    def _ran_on(self, call: SessionCall, since: float, task: object = None) -> None:
+    def _ran_on(self, call: SessionCall, since: float, guarded: bool, task: object = None) -> None:
         seconds = time.monotonic() - since
         self.longest_run_on = max(self.longest_run_on, seconds)
         with self.recorder.lock:
@@ -611,22 +659,33 @@ class SessionEngine:
             self._m_run_on.observe(seconds)
         log.warning(
             "%s message %s: cut off, its lock session lost; the call ended %.3fs after the "
-            "session's last sign of life (its guard held the key meanwhile); it comes back",
+            "session's last sign of life (%s); it comes back",
             self.handler.name,
             call.delivery.message.id,
             seconds,
+            "its guard session held the key meanwhile"
+            if guarded
+            else "no guard held its key meanwhile: its guard session was lost before",
         )
 
     async def _keep_sessions(self) -> None:
-        """Reopen lost lock sessions (with backoff while the database is away)."""
+        """Reopen lost lock sessions (with backoff while the database is away), and guard the
+        calls that lost their guard on the session that comes back."""
         if all(s is not None for s in self._sessions) or time.monotonic() < self._reopen_at:
             return
+        if self._reopening.locked():
+            return
+        async with self._reopening:
+            await self._reopen()
+
+    async def _reopen(self) -> None:
         for index, session in enumerate(self._sessions):
             if session is not None:
                 continue
             try:
-                self._sessions[index] = await self._open_session(index)
+                opened = self._sessions[index] = await self._open_session(index)
                 self._reopen_failures = 0
+                await self._reguard(opened)
             except psycopg.Error as exc:
                 self._reopen_failures += 1
                 delay = min(REOPEN_BACKOFF_MAX, 0.05 * 2**self._reopen_failures)
@@ -640,6 +699,27 @@ class SessionEngine:
                 )
                 break
         self._update_session_gauge()
+
+    async def _reguard(self, session: LockSession) -> None:
+        """Calls whose guard session was lost: join their keys' shared hold on `session`."""
+        calls = [
+            call
+            for call in self._calls
+            if call.guard is None
+            and call.resolved is not None
+            and call.primary is not session
+            and not (call.settled or call.cut or call.ending)
+        ]
+        if not calls:
+            return
+        with contextlib.suppress(SessionLost):
+            guarded = await session.guard([call.resolved for call in calls if call.resolved])
+            for call, held in zip(calls, guarded, strict=True):
+                if held and call.resolved is not None and not call.ending:
+                    call.guard = session
+                    self._by_session[session].add(call)
+                elif held and call.resolved is not None:
+                    session.unlock([call.resolved])
 
     def _update_session_gauge(self) -> None:
         if self.observe:
@@ -672,6 +752,16 @@ def _bind(session: LockSession, query: Any, params: Any) -> str:
     cursor = psycopg.AsyncClientCursor(session.conn)
     bound = cursor.mogrify(query, params)
     return bound if isinstance(bound, str) else bytes(bound).decode()
+
+
+def _no_reads(dsn: str, size: int) -> str:
+    from ..db import describe_dsn
+
+    return (
+        f"cannot open the session-lock engine's read connections to {describe_dsn(dsn)} "
+        f"within --connect-timeout: it needs {size} (--read-connections); check --dsn and "
+        "that max_connections (or the pooler's pool size) leaves room for them"
+    )
 
 
 def _no_session(dsn: str, exc: psycopg.OperationalError) -> str:

@@ -125,6 +125,8 @@ class LockSession:
             tuple[Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]], asyncio.Future[Any]]
         ] = []
         self._wake = asyncio.Event()
+        # What the current round took and has not answered yet: (asked, to release).
+        self._in_round: tuple[list[asyncio.Future[Any]], list[asyncio.Future[None]]] = ([], [])
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -211,19 +213,28 @@ class LockSession:
                 await self.conn.close()
 
     async def _round(self) -> None:
-        """Send what is waiting, most urgent first: settlements and unlocks free keys."""
+        """Send what is waiting, most urgent first: settlements and unlocks free keys. What
+        the round took stays in `_in_round` until it is answered: a loss answers it."""
         settlements, self._settlements = self._settlements, []
+        unlocks, self._unlocks = self._unlocks, []
+        job_unlocks, self._job_unlocks = self._job_unlocks, []
+        locks, self._locks = self._locks, []
+        guards, self._guards = self._guards, []
+        uses, self._uses = self._uses, []
+        self._in_round = (
+            [s.done for s in settlements]
+            + [r.done for r in [*locks, *guards]]
+            + [done for _, done in uses],
+            [r.done for r in [*unlocks, *job_unlocks]],
+        )
         if settlements:
             await self._commit(settlements)
-        if self._unlocks or self._job_unlocks:
-            await self._send_unlocks()
-        locks, self._locks = self._locks, []
+        if unlocks or job_unlocks:
+            await self._send_unlocks(unlocks, job_unlocks)
         if locks:
             await self._lock(locks)
-        guards, self._guards = self._guards, []
         if guards:
             await self._guard(guards)
-        uses, self._uses = self._uses, []
         for work, done in uses:
             try:
                 done.set_result(await self._deadline(work(self.conn)))
@@ -232,6 +243,7 @@ class LockSession:
                     done.set_exception(SessionLost(str(exc)))
                     raise
                 done.set_exception(exc)
+        self._in_round = ([], [])
         self.alive_at = time.monotonic()
 
     async def _idle(self) -> None:
@@ -300,11 +312,10 @@ class LockSession:
     async def _rollback(self) -> None:
         await self._deadline(self.conn.execute("ROLLBACK"))
 
-    async def _send_unlocks(self) -> None:
-        requests = self._unlocks + self._job_unlocks
-        keys = [key for request in self._unlocks for key in request.items]
-        jobs = [job for request in self._job_unlocks for job in request.items]
-        self._unlocks, self._job_unlocks = [], []
+    async def _send_unlocks(self, unlocks: list[_Request], job_unlocks: list[_Request]) -> None:
+        requests = unlocks + job_unlocks
+        keys = [key for request in unlocks for key in request.items]
+        jobs = [job for request in job_unlocks for job in request.items]
         async with self.conn.pipeline():
             if keys:
                 await self.conn.execute(sql.SESSION_UNLOCK, _columns(keys))
@@ -382,6 +393,12 @@ class LockSession:
 
     def _fail(self, exc: Exception) -> None:
         self.lost = True
+        asked, released = self._in_round
+        self._in_round = ([], [])
+        for done in asked:
+            _fail(done, exc)
+        for done in released:
+            _resolve(done, None)  # the session's end released them
         settlements, self._settlements = self._settlements, []
         for settlement in settlements:
             _fail(settlement.done, exc)

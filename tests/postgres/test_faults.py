@@ -12,7 +12,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +35,34 @@ PROCESSES = 3
 
 
 class Run(WorkerProcesses):
-    """Checked-handler worker processes draining one queue; replaceable when a fault kills one."""
+    """Checked-handler worker processes draining one queue; replaceable when a fault kills one.
+    `handler`, `options` (after the queue) and `drain_limit` (seconds) are for other suites."""
 
-    def __init__(self, worker_dsn: str, check_dsn: str, logs: Path) -> None:
+    def __init__(
+        self,
+        worker_dsn: str,
+        check_dsn: str,
+        logs: Path,
+        *,
+        handler: str = "dedupworker.checking:CheckedHandler",
+        options: Sequence[str] = ("--concurrency", "3"),
+        drain_limit: float = 240,
+    ) -> None:
         env = {**clean_env(), "DEDUPWORKER_DSN": worker_dsn, "DEDUPWORKER_CHECK_DSN": check_dsn}
-        command = ["dedupworker.checking:CheckedHandler", "--queue", "q", "--concurrency", "3"]
+        command = [handler, "--queue", "q", *options]
         command += ["--drain", "--poll-interval", "0.2", "--connect-timeout", "60"]
-        super().__init__(env, logs, command, drain_limit=240)
+        super().__init__(env, logs, command, drain_limit=drain_limit)
 
 
-def fill(conn: psycopg.Connection[Any]) -> tuple[list[str], list[str]]:
+def fill(
+    conn: psycopg.Connection[Any], messages: int = MESSAGES, work_ms: int = 10
+) -> tuple[list[str], list[str]]:
     create_tables(conn)
-    produced = [str(i) for i in range(MESSAGES)]
+    produced = [str(i) for i in range(messages)]
     bodies: list[Any] = [
-        {"msg": msg, "entity": int(msg) % ENTITIES, "work_ms": 10} for msg in produced
+        {"msg": msg, "entity": int(msg) % ENTITIES, "work_ms": work_ms} for msg in produced
     ]
-    bodies.insert(MESSAGES // 2, json.dumps({"msg": "poison"}))  # no entity: dead-lettered
+    bodies.insert(messages // 2, json.dumps({"msg": "poison"}))  # no entity: dead-lettered
     enqueue(conn, "q", bodies, entity=every_other_entity)
     return [*produced, "poison"], ["poison"]
 
@@ -63,9 +75,14 @@ def every_other_entity(message: Message) -> object:
     return body["entity"] if msg.isdigit() and int(msg) % 2 == 0 else None
 
 
-def run_with(dsn: str, fault: Callable[[threading.Event], None], run: Run) -> Report:
+Fill = Callable[[psycopg.Connection[Any]], tuple[list[str], list[str]]]
+
+
+def run_with(
+    dsn: str, fault: Callable[[threading.Event], None], run: Run, fill_queue: Fill = fill
+) -> Report:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        produced, poison = fill(conn)
+        produced, poison = fill_queue(conn)
     run.drain(PROCESSES, fault)
     with psycopg.connect(dsn, autocommit=True) as conn:
         report = check(conn, produced, poison)
