@@ -20,7 +20,13 @@ enqueue sequence or repeated, which must be 0); attempt records against requests
 `--profile FILE`: the worker's event loop thread runs under cProfile (the stats go to FILE; the
 top functions are printed); the figures are then the profiled worker's.
 
-Run from the repository root:  python -m bench.webhook_sessions
+`--client-only`: no database and no worker: the handler's HTTP client (AsyncSender, made as
+SessionWebhookDelivery makes it) alone on an event loop of this process, `--concurrency`
+requests in flight (one per endpoint, each endpoint's requests one after the other) against
+the same server, after a first round that opens the connections; reported: its CPU per
+request (this process's, all of it the client's loop) and requests/s.
+
+Run from the repository root:  python -m bench.webhook_sessions [--client-only]
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ import psycopg
 from bench.postgres_throughput import REPO, Watcher, spawn_worker
 from bench.slow_handlers import Sampler, SlowWorkers, header, start_server, worker_error
 from dedupworker.schema import migrate
-from dedupworker.webhooks import add_endpoint, enqueue_deliveries
+from dedupworker.webhooks import SessionWebhookDelivery, add_endpoint, enqueue_deliveries
+from dedupworker.webhooks.async_sending import AsyncSender
 
 QUEUE = "webhooks"
 HANDLER = "dedupworker.webhooks:SessionWebhookDelivery"
@@ -367,6 +374,69 @@ def report(args: argparse.Namespace, lines: list[str], result: Result) -> None:
     print("\nchecks: " + ("all passed" if all(checks) else f"FAILED {checks}"))
 
 
+# --- the client alone -------------------------------------------------------------------------
+
+# What signed_request sends besides the body, with the header sizes of a real delivery.
+CLIENT_HEADERS = {
+    "content-type": "application/json",
+    "user-agent": "dedupworker/0.1.0",
+    "webhook-timestamp": "1700000000",
+    "webhook-signature": "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4=",
+}
+CLIENT_BODY = b'{"event": 1, "text": "caf\xc3\xa9", "padding": "' + b"x" * 60 + b'"}'
+
+
+async def drive_client(port: int, endpoints: int, rounds: int) -> tuple[float, float, int]:
+    """Each endpoint's requests one after the other, all endpoints at once: a first round
+    (connections opened), then `rounds` measured; their CPU seconds, wall seconds, count."""
+    handler = SessionWebhookDelivery
+    sender = AsyncSender(
+        handler.connect_timeout,
+        handler.total_timeout,
+        handler.max_response_bytes,
+        max(handler.max_connections, endpoints),
+    )
+    sent = [0] * endpoints
+
+    async def endpoint(e: int, count: int) -> None:
+        for _ in range(count):
+            headers = {**CLIENT_HEADERS, "webhook-id": f"d-{e}-{sent[e]}"}
+            sent[e] += 1
+            url = f"http://127.0.0.1:{port}/ep-{e}"
+            result = await sender.post(url, CLIENT_BODY, headers)
+            if result.status != 200:
+                raise SystemExit(f"the client failed: {result.describe()}")
+
+    await asyncio.gather(*(endpoint(e, 1) for e in range(endpoints)))
+    cpu, wall = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(endpoint(e, rounds) for e in range(endpoints)))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    await sender.aclose()
+    return cpu, wall, endpoints * rounds
+
+
+def client_only(args: argparse.Namespace) -> None:
+    """`--client-only`: one endpoint per request in flight, deliveries/endpoints rounds."""
+    endpoints = args.concurrency
+    rounds = max(1, args.deliveries // endpoints)
+    with ReceiverServer(args.delay_ms / 1000) as receivers:
+        cpu, wall, requests = asyncio.run(drive_client(receivers.port, endpoints, rounds))
+        seen = receivers.stop()
+    print(
+        f"the HTTP client alone (AsyncSender): {requests:,} requests to {endpoints:,} endpoints "
+        f"on one local server (every answer after {args.delay_ms:g} ms), {endpoints:,} in "
+        "flight, after a first round that opened the connections\n"
+    )
+    rows = [
+        ("client CPU µs per request", f"{cpu / requests * 1e6:,.0f}"),
+        ("requests/s", f"{requests / wall:,.0f}"),
+        ("HTTP connections the server accepted (first round included)", f"{seen.connections:,}"),
+        ("most requests in flight per endpoint (must be 1)", str(seen.most_per_endpoint)),
+    ]
+    print("| figure | value |\n|---|---:|")
+    print("\n".join(f"| {name} | {value} |" for name, value in rows))
+
+
 def print_profile(path: Path, top: int) -> None:
     print(f"\nprofile of the worker's event loop thread ({path}), top {top} by own time:")
     stats = pstats.Stats(str(path), stream=sys.stdout)
@@ -389,6 +459,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", type=Path, help="profile the worker's event loop into FILE")
     parser.add_argument("--top", type=int, default=30, help="profile lines printed")
+    parser.add_argument(
+        "--client-only", action="store_true", help="measure the HTTP client alone (no worker)"
+    )
     return parser.parse_args(argv)
 
 
@@ -398,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_profiled(argv[1], argv[2:])
     args = parse_args(argv)
     print("$ " + shlex.join(["python", "-m", "bench.webhook_sessions", *argv]), flush=True)
+    if args.client_only:
+        client_only(args)
+        return 0
     # Stopped from outside (`timeout`, a CI job's end): stop the private server on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     server, dsn = start_server()

@@ -9,7 +9,7 @@ Both ends of a webhook in one package (docs/webhooks.md):
   deliveries in flight on a few database connections.
 - receivers check a request with `verify()`.
 
-Signing and verifying need only the standard library; the HTTP clients (urllib3, and httpx for
+Signing and verifying need only the standard library; the HTTP clients (urllib3, and aiohttp for
 `SessionWebhookDelivery`: the extra `dedupworker[webhooks]`) are imported when the first
 delivery is sent.
 

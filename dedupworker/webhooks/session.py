@@ -11,7 +11,7 @@ what differs is how the call meets the database and the network:
   before the endpoint's lock is released;
 - a failed attempt's record (and a 410's disabling) is written by `after_settle`, as in the
   sync handler: the engine drops a failed call's own writes, not the hook's;
-- requests go out on the engine's event loop through httpx (async_sending.py), one task each.
+- requests go out on the engine's event loop through aiohttp (async_sending.py), one task each.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class SessionWebhookDelivery(WebhookDelivery):
     ) -> AttemptResult:
         """One signed POST of the delivery's payload."""
         body, headers = signed_request(endpoint, webhook)
-        return await self.async_sender.post(webhook.endpoint_id, endpoint.url, body, headers)
+        return await self.async_sender.post(endpoint.url, body, headers)
 
     @property
     def async_sender(self) -> AsyncSender:

@@ -4,7 +4,10 @@ worker processes against a real local HTTP server (tests/support/webhook_server.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from dedupworker.webhooks import (
     verify,
 )
 from tests.conftest import ROOT, clean_env
+from tests.support.webhook_handlers import QuickSessionDelivery
 from tests.support.webhook_server import Step, WebhookServer
 
 pytestmark = pytest.mark.postgres
@@ -52,13 +56,13 @@ def deliver(conn: psycopg.Connection[Any], endpoint_id: str, *ids: str) -> list[
 
 @contextlib.contextmanager
 def workers(
-    dsn: str, handler: str, options: list[list[str]]
+    dsn: str, handler: str, options: list[list[str]], env: dict[str, str] | None = None
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """One `dedupworker run` process per list of options; any still running at the end (a
-    test that failed) is killed."""
+    """One `dedupworker run` process per list of options (`env`: more variables); any still
+    running at the end (a test that failed) is killed."""
     command = [sys.executable, "-m", "dedupworker", "run", handler, "--queue", QUEUE]
     command += ["--poll-interval", "0.05"]
-    env = {**clean_env(), "DEDUPWORKER_DSN": dsn}
+    env = {**clean_env(), **(env or {}), "DEDUPWORKER_DSN": dsn}
     procs = [
         subprocess.Popen(
             [*command, *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -77,17 +81,23 @@ def workers(
 def run_workers(
     dsn: str,
     tmp_path: Path,
+    *,
     handler: str = QUICK,
     concurrency: int = 50,
     processes: int = 1,
+    env: dict[str, str] | None = None,
 ) -> dict[str, int]:
     """`processes` draining `dedupworker run` workers; their outcome counts, summed."""
     files = [tmp_path / f"stats-{i}.json" for i in range(processes)]
     options = ["--concurrency", str(concurrency), "--drain"]
-    with workers(dsn, handler, [[*options, "--stats-file", str(f)] for f in files]) as procs:
+    runs = [[*options, "--stats-file", str(f)] for f in files]
+    with workers(dsn, handler, runs, env) as procs:
         for proc in procs:
             _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err.decode(errors="replace")
+            log = err.decode(errors="replace")
+            assert proc.returncode == 0, log
+            # The HTTP client's session and connections were closed, not left to the exit.
+            assert "Unclosed" not in log, log
     totals: dict[str, int] = {}
     for stats in files:
         for key, value in json.loads(stats.read_text()).items():
@@ -122,10 +132,10 @@ def test_the_session_handler_is_webhook_delivery_in_the_session_engine() -> None
     assert handler.entity == "endpoint" and handler.max_attempts == WebhookDelivery.max_attempts
 
 
-def test_httpx_is_imported_with_the_first_delivery_not_with_the_package() -> None:
+def test_aiohttp_is_imported_with_the_first_delivery_not_with_the_package() -> None:
     code = (
         "import sys; from dedupworker.webhooks import SessionWebhookDelivery as S;"
-        "S(); print('httpx' in sys.modules)"
+        "S(); print('aiohttp' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
@@ -279,6 +289,21 @@ def test_a_400_dead_letters_at_once_with_the_status(
     assert attempts(conn, "d-2") == [(1, "succeeded", 200, False)]
 
 
+def test_a_redirect_is_not_followed_and_the_answer_is_asked_for_as_is(
+    dsn: str, conn: psycopg.Connection[Any], server: WebhookServer, tmp_path: Path
+) -> None:
+    endpoint(conn, server, "moved")
+    server.script("moved", Step(302, headers=(("Location", server.url("elsewhere")),)))
+    deliver(conn, "moved", "d-1")
+    run_workers(dsn, tmp_path)
+
+    assert server.ids("moved") == ["d-1"] and server.received("elsewhere") == []
+    assert server.received("moved")[0].headers["accept-encoding"] == "identity"
+    [(status, error)] = jobs(conn)
+    assert status == "dead" and "HTTP 302" in error
+    assert attempts(conn, "d-1") == [(1, "dead_lettered", 302, False)]
+
+
 @pytest.mark.parametrize(
     "slow",
     [Step(delay=4.0), Step(trickle=0.1)],
@@ -299,6 +324,71 @@ def test_a_slow_endpoint_times_out_on_the_whole_request_deadline(
         "SELECT error FROM dedupworker_webhooks.attempts WHERE attempt = 1"
     ).fetchone()
     assert error == ("timeout: no complete response within 1 s",)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that no CA signed, and its key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file
+
+
+def test_https_receivers_are_checked_against_the_system_cas(
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server = WebhookServer()
+    server.httpd.socket = tls.wrap_socket(server.httpd.socket, server_side=True)
+    with server:
+        add_endpoint(conn, "tls", server.url("tls").replace("http://", "https://", 1))
+        deliver(conn, "tls", "d-1")
+        refused = run_workers(dsn, tmp_path)
+        # The system's CA certificates, which OpenSSL's SSL_CERT_FILE can replace.
+        deliver(conn, "tls", "d-2")
+        trusted = run_workers(dsn, tmp_path, env={"SSL_CERT_FILE": str(cert)})
+
+    assert refused.get("dead_lettered") == 1 and trusted.get("succeeded") == 1
+    errors = conn.execute(
+        "SELECT error FROM dedupworker_webhooks.attempts WHERE delivery_id = 'd-1' ORDER BY id"
+    ).fetchall()
+    assert len(errors) == QuickSessionDelivery.max_attempts
+    assert all(
+        e.startswith("connection failed: ") and "CERTIFICATE_VERIFY_FAILED" in e for (e,) in errors
+    )
+    assert server.ids("tls") == ["d-2"]
+    assert attempts(conn, "d-2") == [(1, "succeeded", 200, False)]
 
 
 def test_every_attempt_is_recorded(
