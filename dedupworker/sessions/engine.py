@@ -204,34 +204,30 @@ class SessionEngine:
         for index in range(len(self._sessions)):
             self._sessions[index] = await self._open_session(index, start=True)
         self._update_session_gauge()
-        kwargs: dict[str, Any] = {"autocommit": True, "application_name": self._name("read")}
-        if self.config.pgbouncer:
-            kwargs["prepare_threshold"] = None
         size = self.config.read_connections
-        self._read_pool = AsyncConnectionPool(
-            self.config.dsn,
-            min_size=1,
-            max_size=size,
-            kwargs=kwargs,
-            open=False,
-            name=f"dedupworker-read:{self.handler.name}",
-            timeout=self.config.connect_timeout,
-        )
+        self._read_pool = AsyncConnectionPool(**self._pool_settings("read"))
         try:
             await self._read_pool.open(wait=True, timeout=self.config.connect_timeout)
         except PoolTimeout:
             raise DatabaseUnavailable(_no_reads(self.config.dsn, size)) from None
-        if not self._async:
-            self._sync_pool = ConnectionPool(
-                self.config.dsn,
-                min_size=1,
-                max_size=size,
-                kwargs=kwargs,
-                open=False,
-                name=f"dedupworker-read-sync:{self.handler.name}",
-                timeout=self.config.connect_timeout,
-            )
+        if not self._async:  # a plain handle reads on its thread
+            self._sync_pool = ConnectionPool(**self._pool_settings("read-sync"))
             self._sync_pool.open(wait=True, timeout=self.config.connect_timeout)
+
+    def _pool_settings(self, role: str) -> dict[str, Any]:
+        """The read pool's: autocommit, through --dsn (a pooler is fine), --read-connections."""
+        kwargs: dict[str, Any] = {"autocommit": True, "application_name": self._name(role)}
+        if self.config.pgbouncer:
+            kwargs["prepare_threshold"] = None
+        return {
+            "conninfo": self.config.dsn,
+            "min_size": 1,
+            "max_size": self.config.read_connections,
+            "kwargs": kwargs,
+            "open": False,
+            "name": f"dedupworker-{role}:{self.handler.name}",
+            "timeout": self.config.connect_timeout,
+        }
 
     async def _open_session(self, index: int, start: bool = False) -> LockSession:
         """A new lock session; at start, retried for --connect-timeout while the database is
