@@ -100,6 +100,13 @@ class Handler:
         contended (contention backoff, no attempt used). Default: always run."""
         return True
 
+    def lock_read(self, message: Message) -> tuple[str, Any] | None:
+        """lock_scope = "session" only: a statement (query, params) to read right after the
+        entity's lock, in the lock's own round trip, on the lock session; its first row is
+        `conn.locked_row` in `may_run` and `handle`. Saves a pooled read per message for what
+        every call reads first (the entity's row, say). Default: none."""
+        return None
+
     def after_settle(
         self, message: Message, outcome: Outcome, conn: psycopg.Connection[Any]
     ) -> None:

@@ -6,6 +6,8 @@ moment they take, writes queued for the message's settlement.
     await conn.fetchone(...)      a read in a pooled connection of its own (autocommit), held
     await conn.fetchall(...)      for that statement only
     async with conn.read() as c:  a pooled psycopg connection lent for several reads
+    conn.locked_row               the first row of `Handler.lock_read`'s statement, read on the
+                                  lock session under the lock, in the lock's round trip
 
 `AsyncCallConnection` is what an `async def handle` gets; `CallConnection`, with the same
 methods as plain functions, what a plain `def handle` (run on a thread) gets. After the call's
@@ -34,6 +36,9 @@ class _Writes:
     def __init__(self) -> None:
         self.writes: list[tuple[Query, Params]] = []
         self.cut = False  # the call's lock session was lost
+        # The first row of the handler's `lock_read`, read on the lock session right after the
+        # entity's lock, in the same round trip (None: no such read, or no row).
+        self.locked_row: tuple[Any, ...] | None = None
 
     def execute(self, query: Query, params: Params = None) -> None:
         """Queue a write for the settlement (see the module docstring); returns nothing."""

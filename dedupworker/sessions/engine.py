@@ -94,7 +94,9 @@ class SessionCall(Call):
         "ending",
         "guard",
         "key",
+        "locked_row",
         "primary",
+        "read_failed",
         "resolved",
         "settled",
         "slot",
@@ -107,6 +109,8 @@ class SessionCall(Call):
         self.guard: LockSession | None = None
         self.key: SessionKey | None = None
         self.resolved: Resolved | None = None  # the entity lock, while held
+        self.locked_row: tuple[Any, ...] | None = None  # Handler.lock_read's row
+        self.read_failed: psycopg.Error | None = None  # ... or its error
         self.call_conn: AsyncCallConnection | CallConnection | None = None
         self.cut = False  # its primary session was lost: it never settles
         self.settled = False
@@ -134,6 +138,7 @@ class SessionEngine:
         self._async = inspect.iscoroutinefunction(type(handler).handle)
         self._may_run = type(handler).may_run is not Handler.may_run
         self._after_settle = type(handler).after_settle is not Handler.after_settle
+        self._lock_read = type(handler).lock_read is not Handler.lock_read
         self._loop = asyncio.new_event_loop()
         self._io = ThreadPoolExecutor(4, thread_name_prefix=f"{handler.name}-io")
         self._threads: ThreadPoolExecutor | None = None
@@ -398,7 +403,8 @@ class SessionEngine:
         await self._slots.acquire()
         call.slot = True
         dedup = None if dedup_key is None else (handler.ledger_scope, dedup_key)
-        locked, seen = await self._lock(call, Lock(call.key, dedup))
+        read = handler.lock_read(delivery.message) if self._lock_read else None
+        locked, seen = await self._lock(call, Lock(call.key, dedup, read))
         if not locked:
             call.met_busy = True
             return on_contended(handler, delivery)
@@ -445,10 +451,11 @@ class SessionEngine:
         if call.primary is None:
             call.primary = primary
             self._by_session[primary].add(call)
-        ((resolved, seen),) = await primary.lock([lock])
+        ((resolved, seen, row, failed),) = await primary.lock([lock])
         if resolved is None:
             return False, False
         call.resolved = resolved
+        call.locked_row, call.read_failed = row, failed
         self._locks_changed(1)
         if len(self._sessions) == 1:
             return True, seen  # --lock-sessions 1: no guard, by choice
@@ -470,8 +477,11 @@ class SessionEngine:
         """The handler, under the entity's lock, with no transaction open."""
         handler, message = self.handler, call.delivery.message
         conn = self._call_connection()
+        conn.locked_row = call.locked_row
         call.call_conn = conn
         try:
+            if call.read_failed is not None:
+                raise call.read_failed  # the handler's lock_read: a failure of the call
             if self._may_run and not await self._run(call, handler.may_run, message, conn):
                 return on_contended(handler, call.delivery)
             await self._run(call, handler.handle, message, conn)

@@ -61,15 +61,19 @@ class SessionLost(Exception):
 
 
 class Lock(NamedTuple):
-    """A key to lock, and the ledger key (scope, key) to look up once it is locked, if any."""
+    """A key to lock, the ledger key (scope, key) to look up once it is locked, if any, and
+    the handler's read to run under the lock (`Handler.lock_read`), if any."""
 
     key: SessionKey
     dedup: tuple[str, str] | None
+    read: tuple[Any, Any] | None = None
 
 
 class Locked(NamedTuple):
     resolved: Resolved | None  # None: held elsewhere
     seen: bool  # the ledger has the dedup key
+    row: tuple[Any, ...] | None = None  # the first row of the lock's read
+    failed: psycopg.Error | None = None  # the lock's read failed
 
 
 class Resolved(NamedTuple):
@@ -342,6 +346,7 @@ class LockSession:
                 scopes = [lock.dedup[0] for lock in ledger if lock.dedup]
                 dedups = [lock.dedup[1] for lock in ledger if lock.dedup]
                 looked_up = await self.conn.execute(sql.SESSION_SEEN, (scopes, dedups))
+
         taken: dict[int, Resolved] = {
             int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await locked.fetchall()
         }
@@ -350,14 +355,37 @@ class LockSession:
             if ledger
             else set()
         )
+        rows, failed = await self._read(locks)
         start = 0
         for request in requests:
             items = [
-                Locked(taken.get(start + j), lock.dedup is not None and lock.dedup in seen)
+                Locked(
+                    taken.get(start + j),
+                    lock.dedup is not None and lock.dedup in seen,
+                    rows.get(start + j),
+                    failed if lock.read is not None else None,
+                )
                 for j, lock in enumerate(request.items)
             ]
             _resolve(request.done, items)
             start += len(request.items)
+
+    async def _read(
+        self, locks: list[Lock]
+    ) -> tuple[dict[int, tuple[Any, ...] | None], psycopg.Error | None]:
+        """The handlers' reads under the locks (Handler.lock_read), in one more pipeline of
+        the same round: an error of theirs fails those calls, never the session."""
+        wanted = [(index, lock.read) for index, lock in enumerate(locks) if lock.read]
+        if not wanted:
+            return {}, None
+        try:
+            async with self.conn.pipeline():
+                cursors = [(i, await self.conn.cursor().execute(*read)) for i, read in wanted]
+            return {i: await cursor.fetchone() for i, cursor in cursors}, None
+        except psycopg.Error as exc:
+            if self._broken():
+                raise
+            return {}, exc
 
     async def _guard(self, requests: list[_Request]) -> None:
         keys: list[Resolved] = [key for request in requests for key in request.items]

@@ -290,3 +290,20 @@ def test_an_unreachable_lock_dsn_is_a_clear_error(conn: psycopg.Connection[Any],
     assert done.returncode != 0
     assert "cannot connect to PostgreSQL" in done.stderr and "Traceback" not in done.stderr
     assert left(conn) == 2
+
+
+def test_a_read_under_the_lock_sees_every_earlier_call_and_its_errors_fail_only_its_calls(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    conn.execute(TABLE)
+    bodies: list[Any] = [{"msg": str(i), "entity": 1} for i in range(30)]
+    bodies.insert(10, {"msg": "bad", "entity": 2, "bad_read": True})
+    enqueue(conn, "s", bodies, entity=lambda m: m.json()["entity"])
+    done = run(dsn, "LockRead", "--concurrency", "20")
+    assert done.returncode == 0, done.stderr
+    # Each call of entity 1 read, under its lock, the count of the calls committed before it.
+    seen = sorted(int(row.split("@")[1]) for row in logged(conn) if row != "bad")
+    assert seen == list(range(30))
+    dead = scalar(conn, "SELECT last_error FROM dedupworker.jobs WHERE status = 'dead'")
+    assert 'relation "no_such_table" does not exist' in dead
+    assert "lock session" not in done.stderr  # the session never went for it

@@ -115,3 +115,29 @@ class TransactionTally(Handler):
         started = time.time()
         time.sleep(message.json().get("work_ms", 5) / 1000)
         conn.execute(LOG, _row(message, "transaction", started))
+
+
+class LockRead(Tally):
+    """Reads, under the lock, how many calls of its entity were logged before it
+    (`lock_read`); a body with "bad_read" asks for a statement that fails."""
+
+    def lock_read(self, message: Message) -> tuple[str, Any] | None:
+        body = message.json()
+        if body.get("bad_read"):
+            return ("SELECT * FROM no_such_table", None)
+        return ("SELECT count(*) FROM engine_calls WHERE entity = %s", (str(body["entity"]),))
+
+    async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
+        started = time.time()
+        assert conn.locked_row is not None
+        body = message.json()
+        conn.execute(
+            LOG,
+            (
+                f"{body['msg']}@{conn.locked_row[0]}",
+                str(body["entity"]),
+                "session",
+                started,
+                time.time(),
+            ),
+        )
