@@ -249,7 +249,7 @@ async def _in_flight(kind: str, direct: str, through: str, proxy: Proxy) -> Answ
     holder = await LockSession.open(direct, 0, "dedupworker-locks-0:fault-test")
     session = await LockSession.open(through, 1, "dedupworker-locks-1:fault-test")
     try:
-        ((key, _),) = await holder.lock([Lock(session_key(47, 1, "int4"), None)])
+        ((key, *_),) = await holder.lock([Lock(session_key(47, 1, "int4"), None)])
         assert key is not None
         if kind == "unlock":
             assert await session.guard([key]) == [True]
