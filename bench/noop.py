@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import Handler, Message
+from dedupworker import BatchHandler, Handler, Message
 
 
 class Noop(Handler):
@@ -18,3 +18,16 @@ class Noop(Handler):
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         """Nothing: commit and ack right away."""
+
+
+class NoopBatch(BatchHandler):
+    """The batch engine's no-op: every message's entity read, nothing done."""
+
+    lock_namespace = 77
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int = message.json()["entity"]
+        return entity
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        """Nothing: commit and ack the whole batch."""

@@ -12,7 +12,7 @@ from .errors import (
     SchemaMissing,
     TransportError,
 )
-from .handler import Handler, load_handler
+from .handler import BatchHandler, Handler, load_handler
 from .keys import LockKey, lock_key
 from .message import Message
 from .outcomes import Outcome
@@ -24,6 +24,7 @@ from .worker import Worker
 
 __all__ = [
     "AsyncCallConnection",
+    "BatchHandler",
     "CallConnection",
     "ConfigurationError",
     "DatabaseUnavailable",

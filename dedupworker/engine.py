@@ -83,8 +83,10 @@ class Transactions(Protocol):
 class Engine(Protocol):
     """What the worker drives: one handler over one transport, stepped by handler threads."""
 
-    handler: Handler
     transport: Transport
+
+    @property
+    def handler(self) -> Handler: ...
     hot: HotEntities
 
     @property

@@ -123,6 +123,57 @@ class Handler:
         return backoff_seconds(self.contention_backoff, contentions)
 
 
+class BatchHandler(Handler):
+    """Subclass me for tiny handlers: set `lock_namespace`, implement `entity_id` and
+    `handle_batch`; the batch engine (docs/batches.md) calls `handle_batch` with up to
+    `batch_size` messages at once, in one transaction that holds the locks of all their
+    entities, and settles them together.
+
+    `messages` are in their source's order, and messages of one entity may share a batch (in
+    that order): apply them in the order given. Return to succeed them all; raise, and the
+    engine finds the messages that fail by calling `handle_batch` again on halves of the
+    batch, each in a savepoint, down to the message that fails alone (which then follows the
+    retry and dead-letter rules, `Reject` and `RetryLater` included); the others succeed once.
+    `may_run` is not called for batch handlers.
+    """
+
+    batch_size: ClassVar[int] = 100
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        """Do the work of every message, inside the batch's locked transaction on `conn`."""
+        raise NotImplementedError(f"{type(self).__name__}.handle_batch() is not implemented")
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        """One message is a batch of one."""
+        self.handle_batch([message], conn)
+
+
+BATCH_SIZE_MAX = 10_000
+
+
+def _check_batch(cls: type[Handler]) -> None:
+    if not issubclass(cls, BatchHandler):
+        return
+    size = cls.batch_size
+    if not is_int(size) or not 1 <= size <= BATCH_SIZE_MAX:
+        raise ConfigurationError(
+            f"{cls.__name__}.batch_size = {size!r}; give an int from 1 to {BATCH_SIZE_MAX}"
+        )
+    if cls.handle_batch is BatchHandler.handle_batch:
+        raise ConfigurationError(f"{cls.__name__} must implement handle_batch()")
+    if cls.lock_scope != "transaction":
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_scope = {cls.lock_scope!r}: a BatchHandler runs each batch in "
+            "one locked transaction; remove lock_scope (session locks are for slow handlers, "
+            "docs/session-locks.md)"
+        )
+    if inspect.iscoroutinefunction(cls.handle_batch):
+        raise ConfigurationError(
+            f"{cls.__name__}.handle_batch is `async def`; a batch runs in a thread, inside its "
+            "locked transaction: make it a plain def"
+        )
+
+
 _RETRYING = tenacity.Retrying()
 
 
@@ -161,6 +212,7 @@ def validate_handler(handler: Handler) -> None:
     wait = cls.local_wait
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
         raise ConfigurationError(f"{cls.__name__}.local_wait must be seconds from 0 to 3600")
+    _check_batch(cls)
     for method in ("entity_id", "handle"):
         if getattr(cls, method) is getattr(Handler, method):
             raise ConfigurationError(f"{cls.__name__} must implement {method}()")

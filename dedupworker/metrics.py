@@ -42,6 +42,19 @@ IN_FLIGHT = Gauge(
     "Messages being processed right now.",
     ["handler", "transport"],
 )
+# The batch engine (dedupworker.batches).
+BATCH_SIZE = Histogram(
+    "dedupworker_batch_size",
+    "Messages per batch taken by the batch engine.",
+    ["handler"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10000),
+)
+BATCH_SPLIT_CALLS = Counter(
+    "dedupworker_batch_split_calls",
+    "Calls of handle_batch on part of a batch, made to find the messages of a failed batch "
+    "that fail alone.",
+    ["handler"],
+)
 # The session-lock engine (dedupworker.sessions).
 LOCK_SESSIONS = Gauge(
     "dedupworker_lock_sessions",

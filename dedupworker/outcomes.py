@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import Reject, RetryLater
+from .transport import Settlements, SettlesMany
 
 if TYPE_CHECKING:
     from .transport import Delivery, Transport
@@ -151,3 +152,30 @@ def carry_out(
         case Outcome.DEAD_LETTERED:
             trace = format_traceback(verdict.error)
             transport.dead_letter(delivery, verdict.reason, conn, traceback=trace)
+
+
+def carry_out_many(
+    transport: Transport,
+    deliveries: list[Delivery],
+    verdicts: list[Verdict],
+    conn: Executor | None,
+) -> None:
+    """A batch's verdicts, carried out together by a transport that can (`SettlesMany`: one
+    statement per outcome), or one by one (`carry_out`)."""
+    if not isinstance(transport, SettlesMany):
+        for delivery, verdict in zip(deliveries, verdicts, strict=True):
+            carry_out(transport, delivery, verdict, conn)
+        return
+    settlements = Settlements([], [], [], [])
+    for delivery, verdict in zip(deliveries, verdicts, strict=True):
+        match verdict.outcome:
+            case Outcome.SUCCEEDED | Outcome.DUPLICATE:
+                settlements.acks.append(delivery)
+            case Outcome.CONTENDED:
+                settlements.contended.append((delivery, verdict.delay))
+            case Outcome.RETRIED:
+                settlements.retried.append((delivery, verdict.delay, verdict.reason))
+            case Outcome.DEAD_LETTERED:
+                trace = format_traceback(verdict.error)
+                settlements.dead.append((delivery, verdict.reason, trace))
+    transport.settle_many(settlements, conn)

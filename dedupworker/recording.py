@@ -9,11 +9,12 @@ import time
 from typing import TYPE_CHECKING
 
 from . import metrics
+from .engine import Call
 from .hot import HotEntities
 from .outcomes import Outcome, Verdict
 
 if TYPE_CHECKING:
-    from .engine import Call
+    from .batches import BatchCall
     from .handler import Handler
 
 log = logging.getLogger("dedupworker")
@@ -35,6 +36,7 @@ class Recorder:
         self.lock = threading.Lock()  # guards stats
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
+        self._batch_size = metrics.BATCH_SIZE.labels(handler.name)
         self._counted = {
             outcome: (
                 metrics.MESSAGES.labels(handler.name, transport, outcome.value),
@@ -43,15 +45,15 @@ class Recorder:
             for outcome in Outcome
         }
 
-    def started(self) -> float:
+    def started(self, messages: int = 1) -> float:
         """A call begins: counted in flight; returns its start for `record`."""
         if self.observe:
-            self._in_flight.inc()
+            self._in_flight.inc(messages)
         return time.perf_counter()
 
-    def ended(self) -> None:
+    def ended(self, messages: int = 1) -> None:
         if self.observe:
-            self._in_flight.dec()
+            self._in_flight.dec(messages)
 
     def record(self, call: Call, verdict: Verdict, started: float) -> None:
         elapsed = time.perf_counter() - started
@@ -66,9 +68,51 @@ class Recorder:
         if log.isEnabledFor(level):
             self._log(level, call, verdict, elapsed)
 
+    def record_batch(self, call: BatchCall, started: float) -> None:
+        """A batch's outcomes (the batch engine): counted per message, its duration observed
+        once per outcome it had, its size in dedupworker_batch_size."""
+        elapsed = time.perf_counter() - started
+        counts: collections.Counter[Outcome] = collections.Counter()
+        logging_all = log.isEnabledFor(logging.DEBUG)
+        for i, verdict in enumerate(call.verdicts):
+            assert verdict is not None
+            outcome = verdict.outcome
+            counts[outcome] += 1
+            if outcome is Outcome.SUCCEEDED or outcome is Outcome.DUPLICATE:
+                if not logging_all:
+                    continue
+            elif outcome is Outcome.CONTENDED:
+                self.hot.add(self.describe_entity(call.entities[i]))
+            level = _LOG_LEVELS.get(outcome, logging.DEBUG)
+            if log.isEnabledFor(level):
+                one = Call(call.deliveries[i], None)
+                one.entity = call.entities[i]
+                self._log(level, one, verdict, elapsed)
+        if self.observe:
+            self._observe_batch(call, counts, elapsed)
+        with self.lock:
+            for outcome, count in counts.items():
+                self.stats[_VALUES[outcome]] += count
+
+    def _observe_batch(
+        self, call: BatchCall, counts: collections.Counter[Outcome], elapsed: float
+    ) -> None:
+        self._batch_size.observe(len(call.deliveries))
+        for outcome, count in counts.items():
+            counter, histogram = self._counted[outcome]
+            counter.inc(count)
+            histogram.observe(elapsed)
+        now = time.time()
+        for delivery, verdict in zip(call.deliveries, call.verdicts, strict=True):
+            since = delivery.contended_since
+            if since is not None and verdict is not None and verdict.outcome is Outcome.SUCCEEDED:
+                self._lock_wait.observe(max(0.0, now - since))
+
     def describe(self, call: Call) -> str:
         """The message's entity as `namespace:key` (logs, hot entities), '' if unknown."""
-        entity = call.entity
+        return self.describe_entity(call.entity)
+
+    def describe_entity(self, entity: int | str | None) -> str:
         return "" if entity is None else f"{self.handler.lock_namespace}:{entity}"
 
     def _observe(self, call: Call, verdict: Verdict, elapsed: float) -> None:

@@ -131,7 +131,7 @@ class Runner:
             if not handler.may_run(message, conn):
                 return on_contended(handler, call.delivery)
             handler.handle(message, conn)
-            _check_transaction(conn)
+            check_transaction(conn)
         except Exception as exc:
             if conn.broken or conn.closed:
                 raise
@@ -156,7 +156,7 @@ class HandlerBrokeTransaction(Exception):
     """handle() ended or aborted the worker's transaction."""
 
 
-def _check_transaction(conn: psycopg.Connection[Any]) -> None:
+def check_transaction(conn: psycopg.Connection[Any]) -> None:
     status = conn.pgconn.transaction_status  # an int: no enum built per message
     if status == _INTRANS:
         return

@@ -290,3 +290,76 @@ ORDER BY run_at, id
 SESSION_JOB_UNLOCK = (
     f"SELECT count(*) FILTER (WHERE pg_advisory_unlock({JOB_KEY})) FROM unnest(%s::int8[]) id"
 )
+
+
+# --- The batch engine (dedupworker.batches) ------------------------------------------------------
+# The claim of a batch: up to %s ready jobs, oldest first, in the batch's transaction. A job
+# whose entity was given at enqueue is claimed only if this transaction can lock that entity (the
+# lock is tried in the WHERE clause, on ready rows only): jobs of entities held elsewhere are
+# passed over, never claimed to be requeued, and the jobs of one entity that this transaction
+# locked all come along, in their order (a transaction takes its own lock again).
+_BATCH_CLAIM = """
+SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+       entity
+FROM dedupworker.jobs
+WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+  AND (entity IS NULL OR CASE
+      WHEN status = 'ready' AND run_at <= clock_timestamp() THEN {lock}
+  END)
+  AND {job_free}
+ORDER BY run_at, id
+LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+BATCH_CLAIM = {
+    mode: _BATCH_CLAIM.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+}
+# The claim's WHERE clause takes locks: it must be evaluated row by row along the ready index,
+# only until the batch is full. A plan that filters every ready row first (a bitmap scan and a
+# sort, which the planner picks for a table it has no statistics of yet) would lock them all
+# (and run out of lock table). The claim is planned with those two off, for it alone.
+BATCH_CLAIM_PLAN = "SET LOCAL enable_bitmapscan = off"
+BATCH_CLAIM_PLAN_SEQ = "SET LOCAL enable_seqscan = off"
+BATCH_CLAIM_PLAN_RESET = ("RESET enable_bitmapscan", "RESET enable_seqscan")
+
+# Every entity of a batch locked in one statement (keys.lock_key's keys, from
+# keys.session_key's columns: the int4 key, or the text PostgreSQL hashes): the ordinals of
+# those held elsewhere come back. Try-locks never wait, so no order among them is needed.
+BATCH_LOCK = {
+    "int4": """
+SELECT i FROM unnest(%s::int4[], %s::text[]) WITH ORDINALITY AS t(num, txt, i)
+WHERE NOT CASE WHEN txt IS NULL THEN pg_try_advisory_xact_lock(%s::int4, num)
+               ELSE pg_try_advisory_xact_lock(%s::int4, hashtext(txt)) END
+""",
+    "hash64": """
+SELECT i FROM unnest(%s::text[]) WITH ORDINALITY AS t(txt, i)
+WHERE NOT pg_try_advisory_xact_lock(hashtextextended(txt, %s::int4))
+""",
+}
+# The ledger look-up of a whole batch, after its locks, and its record, before its COMMIT.
+BATCH_SEEN = "SELECT key FROM dedupworker.processed WHERE scope = %s AND key = ANY (%s::text[])"
+BATCH_RECORD = "INSERT INTO dedupworker.processed (scope, key) SELECT %s, unnest(%s::text[])"
+
+# The postgres queue's settlement of many jobs, one statement per outcome.
+ACK_MANY = "DELETE FROM dedupworker.jobs WHERE id = ANY (%s::int8[])"
+REQUEUE_CONTENDED_MANY = """
+UPDATE dedupworker.jobs j
+SET run_at = clock_timestamp() + make_interval(secs => t.delay), contentions = contentions + 1,
+    contended_since = coalesce(contended_since, clock_timestamp())
+FROM unnest(%s::int8[], %s::float8[]) AS t(id, delay)
+WHERE j.id = t.id
+"""
+REQUEUE_FAILED_MANY = """
+UPDATE dedupworker.jobs j
+SET run_at = clock_timestamp() + make_interval(secs => t.delay), attempts = attempts + 1,
+    last_error = t.error
+FROM unnest(%s::int8[], %s::float8[], %s::text[]) AS t(id, delay, error)
+WHERE j.id = t.id
+"""
+DEAD_LETTER_MANY = """
+UPDATE dedupworker.jobs j
+SET status = 'dead', attempts = attempts + 1, last_error = t.reason,
+    last_traceback = t.traceback, dead_at = clock_timestamp()
+FROM unnest(%s::int8[], %s::text[], %s::text[]) AS t(id, reason, traceback)
+WHERE j.id = t.id
+"""

@@ -8,6 +8,9 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
     ├── ClaimsOnSessions  session_claims: messages claimed by session locks (postgres, for the
     │                     session-lock engine)
+    ├── ClaimsBatches     batch_claims: many messages claimed in one transaction (postgres, for
+    │                     the batch engine)
+    ├── SettlesMany       settle_many: many outcomes carried out in set-based statements
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
 
@@ -26,8 +29,9 @@ if TYPE_CHECKING:
 
     from psycopg_pool import ConnectionPool
 
+    from .batches import BatchSource
     from .engine import Transactions
-    from .handler import Handler
+    from .handler import BatchHandler, Handler
     from .sessions.sources import Source
     from .wire import Executor
 
@@ -92,7 +96,8 @@ class ReceivesMany(Protocol):
     """Many messages at once, for an engine that keeps them all (the session-lock engine): no
     handler thread owns them, so none is taken for orphaned by the thread's next receive."""
 
-    def receive_many(self, count: int) -> list[Delivery]: ...
+    def receive_many(self, count: int, wait: bool = True) -> list[Delivery]:
+        """Up to `count` messages; `wait=False`: without waiting for more to arrive."""
 
 
 @runtime_checkable
@@ -109,6 +114,33 @@ class ClaimsOnSessions(Protocol):
     locks on its lock sessions (see transports/postgres/sessions.py)."""
 
     def session_claims(self) -> Source: ...
+
+
+@runtime_checkable
+class ClaimsBatches(Protocol):
+    """Messages that are rows of the database, claimed for the batch engine many at a time in
+    the batch's transaction (see transports/postgres/batches.py)."""
+
+    def batch_claims(self, handler: BatchHandler, pool: ConnectionPool[Any]) -> BatchSource: ...
+
+
+@dataclass(slots=True)
+class Settlements:
+    """A batch's outcomes as a transport carries them out together (outcomes.carry_out_many):
+    acknowledged; requeued as contended (with their delays); retried (delays, errors); dead
+    (reasons, bounded tracebacks)."""
+
+    acks: list[Delivery]
+    contended: list[tuple[Delivery, float]]
+    retried: list[tuple[Delivery, float, str]]
+    dead: list[tuple[Delivery, str, str]]
+
+
+@runtime_checkable
+class SettlesMany(Protocol):
+    """Carries many outcomes out at once, inside the batch's transaction (`conn`)."""
+
+    def settle_many(self, settlements: Settlements, conn: Executor | None) -> None: ...
 
 
 @runtime_checkable

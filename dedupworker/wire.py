@@ -104,6 +104,30 @@ _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
 }
 
 
+def _array_param(values: list[Any]) -> bytes:
+    """A list as a PostgreSQL array literal (ints, floats, bools, strs, None): one text array
+    parameter instead of one parameter per value (the batch engine's statements)."""
+    return b"{" + b",".join(map(_element, values)) + b"}"
+
+
+def _element(value: Any) -> bytes:
+    kind = type(value)
+    if kind is int:
+        return b"%d" % value
+    if value is None:
+        return b"NULL"
+    if kind is str:
+        text: str = value
+        return b'"' + text.replace("\\", "\\\\").replace('"', '\\"').encode() + b'"'
+    if kind is bool:
+        return b"t" if value else b"f"
+    if kind is float:
+        return b"%r" % value
+    raise TypeError(f"cannot send a {kind.__name__} in an array parameter: {value!r}")
+
+
+_ENCODERS[list] = _array_param
+
 _BASES: tuple[type[Any], ...] = (bool, int, float, str, bytes)  # bool first: it is an int too
 
 
@@ -165,6 +189,12 @@ class Result:
             raise self.error
         rows = self._rows
         return rows.pop(0) if rows else None
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        if self.error is not None:
+            raise self.error
+        rows, self._rows = self._rows, None
+        return rows or []
 
     def _fill(self, statement: _Statement, res: pq.abc.PGresult) -> None:
         count = res.ntuples

@@ -22,11 +22,12 @@ from psycopg_pool import ConnectionPool
 from . import metrics
 from ._version import __version__
 from .affinity import pin_process
+from .batches import BatchEngine
 from .config import WorkerConfig
 from .db import behind_pooler, connect, describe_dsn, open_pool, retryable, unavailable
 from .engine import Engine, Serves
 from .errors import ConfigurationError
-from .handler import Handler
+from .handler import BatchHandler, Handler
 from .http import serve
 from .runner import Runner
 from .schema import check_schema
@@ -116,12 +117,15 @@ class Worker:
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
 
     def _engine(self, handler: Handler, transport: Any, config: WorkerConfig) -> Engine | Serves:
-        """The engine the handler asks for: its lock_scope (see dedupworker.engine)."""
+        """The engine the handler asks for: its lock_scope, or the batch engine for a
+        BatchHandler (see dedupworker.engine)."""
         assert self._pool is not None
         if handler.lock_scope == "session":
             engine = SessionEngine(handler, transport, config, self.observing)
             engine.open()
             return engine
+        if isinstance(handler, BatchHandler):
+            return BatchEngine(handler, transport, self._pool, self.observing)
         return Runner(handler, transport, self._pool, self.observing)
 
     def _session_handlers(self) -> list[Handler]:

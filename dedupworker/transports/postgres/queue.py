@@ -16,12 +16,13 @@ from ...config import WorkerConfig
 from ...db import connection_kwargs
 from ...keys import KeyMode, normalize_entity
 from ...message import Message
-from ...transport import Delivery
+from ...transport import Delivery, Settlements
 from ...wire import Executor, Rows
 from .claims import ClaimedTransactions
 
 if TYPE_CHECKING:
-    from ...handler import Handler
+    from ...batches import BatchSource
+    from ...handler import BatchHandler, Handler
     from ...sessions.sources import Source
 
 log = logging.getLogger("dedupworker")
@@ -66,6 +67,12 @@ class PostgresTransport:
 
         return SessionClaims(self)
 
+    def batch_claims(self, handler: BatchHandler, pool: ConnectionPool[Any]) -> BatchSource:
+        """Jobs claimed many at a time, for the batch engine (transport.ClaimsBatches)."""
+        from .batches import ClaimedBatches
+
+        return ClaimedBatches(self, handler, pool)
+
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
         of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
@@ -94,6 +101,21 @@ class PostgresTransport:
             entity = normalize_entity(entity)  # "7" is the entity 7, as the claim locked it
         job = Job(job_id, entity, locked)
         return Delivery(message, contentions, job, contended_since)
+
+    def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
+        """The jobs a batch claim got (sql.BATCH_CLAIM's columns)."""
+        name, deliveries = self.name, []
+        for job_id, body, headers, attempts, contentions, contended_since, entity in rows:
+            message = Message(
+                str(job_id),
+                body,
+                {str(k): str(v) for k, v in headers.items()} if headers else {},
+                attempts + 1,
+                name,
+            )
+            job = Job(job_id, entity, None)
+            deliveries.append(Delivery(message, contentions, job, contended_since))
+        return deliveries
 
     @staticmethod
     def given_lock(delivery: Delivery, entity: int | str) -> bool | None:
@@ -127,6 +149,36 @@ class PostgresTransport:
         self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
     ) -> None:
         _require(conn).execute(sql.DEAD_LETTER, (reason, traceback or None, delivery.receipt.id))
+
+    def settle_many(self, settlements: Settlements, conn: Executor | None) -> None:
+        """A batch's outcomes in one statement each, in its transaction (transport.SettlesMany)."""
+        batch = _require(conn)
+        if settlements.acks:
+            batch.execute(sql.ACK_MANY, ([d.receipt.id for d in settlements.acks],))
+        if settlements.contended:
+            ids = [d.receipt.id for d, _ in settlements.contended]
+            delays = [float(delay) for _, delay in settlements.contended]
+            batch.execute(sql.REQUEUE_CONTENDED_MANY, (ids, delays))
+        if settlements.retried:
+            rows = settlements.retried
+            batch.execute(
+                sql.REQUEUE_FAILED_MANY,
+                (
+                    [d.receipt.id for d, _, _ in rows],
+                    [float(x) for _, x, _ in rows],
+                    [e for _, _, e in rows],
+                ),
+            )
+        if settlements.dead:
+            rows_dead = settlements.dead
+            batch.execute(
+                sql.DEAD_LETTER_MANY,
+                (
+                    [d.receipt.id for d, _, _ in rows_dead],
+                    [r for _, r, _ in rows_dead],
+                    [t or None for _, _, t in rows_dead],
+                ),
+            )
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
         """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout`."""

@@ -101,14 +101,16 @@ class SqsTransport:
             return self._fetch(step)
         return step
 
-    def receive_many(self, count: int) -> list[Delivery]:
-        """Up to `count` messages for an engine that keeps many at once (transport.ReceivesMany,
-        the session-lock engine): those already received, else one receive of up to ten (a
-        long poll only then). No thread owns them: the engine settles or gives back each."""
+    def receive_many(self, count: int, wait: bool = True) -> list[Delivery]:
+        """Up to `count` messages for an engine that keeps many at once (transport.ReceivesMany:
+        the session-lock and batch engines): those already received, else one receive of up to
+        ten (a long poll only then, and only with `wait`). No thread owns them: the engine
+        settles or gives back each."""
         taken = self._inbox.take_ready(count)
         if taken:
             return taken
-        self._hand_back(self._inbox.add(self._receive_batch(min(BATCH, max(1, count)))))
+        want, seconds = min(BATCH, max(1, count)), self.wait_seconds if wait else 0
+        self._hand_back(self._inbox.add(self._receive_batch(want, seconds)))
         return self._inbox.take_ready(count)
 
     def ack(self, delivery: Delivery, conn: Any) -> None:
@@ -223,12 +225,12 @@ class SqsTransport:
             self._hand_back(late)
         return mine
 
-    def _receive_batch(self, want: int) -> list[Delivery]:
+    def _receive_batch(self, want: int, wait_seconds: int | None = None) -> list[Delivery]:
         started = time.monotonic()
         response = self.client.receive_message(
             QueueUrl=self.url,
             MaxNumberOfMessages=want,
-            WaitTimeSeconds=self.wait_seconds,
+            WaitTimeSeconds=self.wait_seconds if wait_seconds is None else wait_seconds,
             MessageAttributeNames=["All"],
             MessageSystemAttributeNames=["All"],
             AttributeNames=["All"],  # the older spelling, for endpoints such as ElasticMQ
