@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import Handler, Message
+from dedupworker import BatchHandler, Handler, Message
 
 
 class Sleepy(Handler):
@@ -40,3 +40,16 @@ class SessionSleepy(Handler):
 
     async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
         await asyncio.sleep(message.json().get("work_ms", 2) / 1000)
+
+
+class SleepyBatch(BatchHandler):
+    """The batch engine's Sleepy: a batch takes `work_ms` per message, one after the other."""
+
+    lock_namespace = 78
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int = message.json()["entity"]
+        return entity
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        time.sleep(sum(message.json().get("work_ms", 2) for message in messages) / 1000)

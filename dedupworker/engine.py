@@ -87,6 +87,7 @@ class Engine(Protocol):
 
     @property
     def handler(self) -> Handler: ...
+
     hot: HotEntities
 
     @property

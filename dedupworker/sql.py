@@ -303,16 +303,55 @@ SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_si
        entity
 FROM dedupworker.jobs
 WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-  AND (entity IS NULL OR CASE
-      WHEN status = 'ready' AND run_at <= clock_timestamp() THEN {lock}
-  END)
-  AND {job_free}
+  AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
+      CASE WHEN entity IS NULL OR {lock} THEN {job_key} ELSE false END
+  END
 ORDER BY run_at, id
 LIMIT %s
 FOR UPDATE SKIP LOCKED
 """
 BATCH_CLAIM = {
-    mode: _BATCH_CLAIM.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+    mode: _BATCH_CLAIM.format(lock=lock, job_key=f"pg_try_advisory_xact_lock({JOB_KEY})")
+    for mode, lock in _LOCKS.items()
+}
+
+# The same for hot entities (few entities, many jobs each), which a batch engine's thread
+# switches to while its batches come with repeated entities: among the first %s ready jobs
+# (the window), the distinct entities given at enqueue in the order of their first job; it
+# locks at most 1/%s of them (the worker's threads share them out: one thread's batch holding
+# every hot entity would leave the others nothing to run), then claims their jobs (and jobs
+# with no entity given) as BATCH_CLAIM does.
+_BATCH_CLAIM_SHARED = """
+WITH head AS (
+    SELECT id, entity, run_at FROM dedupworker.jobs
+    WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+    ORDER BY run_at, id
+    LIMIT %s
+), firsts AS (
+    SELECT entity FROM head WHERE entity IS NOT NULL
+    GROUP BY entity ORDER BY min(run_at), min(id)
+), share AS (
+    SELECT greatest(1, ceil(count(*) / %s::float8))::int8 AS n FROM firsts
+), mine AS (
+    SELECT entity FROM (SELECT entity FROM firsts OFFSET 0) f
+    WHERE {lock}
+    LIMIT (SELECT n FROM share)
+)
+SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+       entity
+FROM dedupworker.jobs
+WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+  AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
+      CASE WHEN entity IS NULL OR entity IN (SELECT entity FROM mine) THEN {job_key}
+      ELSE false END
+  END
+ORDER BY run_at, id
+LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+BATCH_CLAIM_SHARED = {
+    mode: _BATCH_CLAIM_SHARED.format(lock=lock, job_key=f"pg_try_advisory_xact_lock({JOB_KEY})")
+    for mode, lock in _LOCKS.items()
 }
 # The claim's WHERE clause takes locks: it must be evaluated row by row along the ready index,
 # only until the batch is full. A plan that filters every ready row first (a bitmap scan and a

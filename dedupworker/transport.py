@@ -121,7 +121,9 @@ class ClaimsBatches(Protocol):
     """Messages that are rows of the database, claimed for the batch engine many at a time in
     the batch's transaction (see transports/postgres/batches.py)."""
 
-    def batch_claims(self, handler: BatchHandler, pool: ConnectionPool[Any]) -> BatchSource: ...
+    def batch_claims(
+        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+    ) -> BatchSource: ...
 
 
 @dataclass(slots=True)

@@ -125,7 +125,9 @@ class Worker:
             engine.open()
             return engine
         if isinstance(handler, BatchHandler):
-            return BatchEngine(handler, transport, self._pool, self.observing)
+            return BatchEngine(
+                handler, transport, self._pool, self.observing, self.config.concurrency
+            )
         return Runner(handler, transport, self._pool, self.observing)
 
     def _session_handlers(self) -> list[Handler]:

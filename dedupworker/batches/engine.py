@@ -53,13 +53,14 @@ class BatchEngine:
         transport: Transport,
         pool: ConnectionPool[Any],
         observe: bool = True,
+        threads: int = 1,
     ) -> None:
         self.handler = handler
         self.transport = transport
         self.recorder = Recorder(handler, transport.name, observe)
         self.hot = self.recorder.hot
         self.size = handler.batch_size
-        self.source = batch_source(transport, handler, pool)
+        self.source = batch_source(transport, handler, pool, threads)
         self._mode = handler.lock_key_mode
         self._splits = metrics.BATCH_SPLIT_CALLS.labels(handler.name)
 
@@ -218,11 +219,12 @@ class BatchEngine:
 
 
 def batch_source(
-    transport: Transport, handler: BatchHandler, pool: ConnectionPool[Any]
+    transport: Transport, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
 ) -> BatchSource:
-    """The source's own batches (the postgres queue), or received messages'."""
+    """The source's own batches (the postgres queue, claimed by `threads` handler threads), or
+    received messages'."""
     if isinstance(transport, ClaimsBatches):
-        return transport.batch_claims(handler, pool)
+        return transport.batch_claims(handler, pool, threads)
     if isinstance(transport, Receives):
         return ReceivedBatches(transport, handler, pool)
     raise ConfigurationError(

@@ -14,6 +14,8 @@ Round trips per batch, each a `dedupworker.wire.Batch`:
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from psycopg_pool import ConnectionPool
@@ -23,17 +25,31 @@ from ...batches.sources import BatchCall, Keys, Statements, locked
 from ...db import give_back_broken
 from ...handler import BatchHandler, Handler
 from ...outcomes import carry_out_many
-from ...wire import Batch
+from ...wire import Batch, Result
 
 if TYPE_CHECKING:
     from .queue import PostgresTransport
+
+# Seconds for which a thread's claims share the hot entities out (sql.BATCH_CLAIM_SHARED) after
+# one of its batches came with an entity repeated; and the window they look at, in batches per
+# handler thread.
+CROWDED_FOR = 5.0
+WINDOW_BATCHES = 2
+
+
+class _Thread(threading.local):
+    crowded_until = 0.0
 
 
 class ClaimedBatches:
     """`dedupworker.batches.BatchSource` for the postgres queue."""
 
     def __init__(
-        self, queue: PostgresTransport, handler: BatchHandler, pool: ConnectionPool[Any]
+        self,
+        queue: PostgresTransport,
+        handler: BatchHandler,
+        pool: ConnectionPool[Any],
+        threads: int,
     ) -> None:
         self.queue = queue
         self.pool = pool
@@ -41,6 +57,9 @@ class ClaimedBatches:
         self.statements = Statements(handler)
         namespace, mode = handler.lock_namespace, handler.lock_key_mode
         self._claim = sql.BATCH_CLAIM[mode]
+        self._shared = sql.BATCH_CLAIM_SHARED[mode]
+        self._threads = max(1, threads)
+        self._thread = _Thread()
         self._namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = type(handler).after_settle is not Handler.after_settle
@@ -52,7 +71,7 @@ class ClaimedBatches:
             start.execute("BEGIN")
             start.execute(sql.BATCH_CLAIM_PLAN)
             start.execute(sql.BATCH_CLAIM_PLAN_SEQ)
-            rows = start.execute(self._claim, (self.queue.queue, *self._namespaces, size))
+            rows = self._claim_rows(start, size)
             for reset in sql.BATCH_CLAIM_PLAN_RESET:
                 start.execute(reset)
             if self.statements.timeout is not None:
@@ -70,6 +89,14 @@ class ClaimedBatches:
             return None
         return BatchCall(deliveries, conn)
 
+    def _claim_rows(self, start: Batch, size: int) -> Result:
+        queue, namespaces = self.queue.queue, self._namespaces
+        if time.monotonic() < self._thread.crowded_until:
+            window = size * self._threads * WINDOW_BATCHES
+            params = (queue, window, self._threads, *namespaces, queue, size)
+            return start.execute(self._shared, params)
+        return start.execute(self._claim, (queue, *namespaces, size))
+
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
         batch = Batch(call.conn)
@@ -80,6 +107,8 @@ class ClaimedBatches:
     def settle(self, call: BatchCall) -> None:
         conn = call.conn
         assert conn is not None
+        if len(set(call.entities)) < len(call.entities):
+            self._thread.crowded_until = time.monotonic() + CROWDED_FOR
         settle = Batch(conn)
         self.statements.end(settle, call)
         verdicts = [v for v in call.verdicts if v is not None]

@@ -67,11 +67,14 @@ class PostgresTransport:
 
         return SessionClaims(self)
 
-    def batch_claims(self, handler: BatchHandler, pool: ConnectionPool[Any]) -> BatchSource:
-        """Jobs claimed many at a time, for the batch engine (transport.ClaimsBatches)."""
+    def batch_claims(
+        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+    ) -> BatchSource:
+        """Jobs claimed many at a time by `threads` handler threads, for the batch engine
+        (transport.ClaimsBatches)."""
         from .batches import ClaimedBatches
 
-        return ClaimedBatches(self, handler, pool)
+        return ClaimedBatches(self, handler, pool, threads)
 
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
