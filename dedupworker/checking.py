@@ -9,6 +9,8 @@ both back.
 The side connection uses DEDUPWORKER_CHECK_DSN (default DEDUPWORKER_DSN), so it can bypass a
 pooler or a proxy that a fault cuts.
 
+`BatchCheckedHandler` does it for the batch engine, one call record per message of a batch.
+
 `SessionCheckedHandler` (and `SessionCheckedThreadHandler`, its plain-function twin) does the
 same for the session-lock engine (`lock_scope = "session"`), whose calls hold no transaction:
 see its docstring for when it records a call's end, and `check_cut_offs` for the calls that
@@ -30,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from .handler import Handler
+from .handler import BatchHandler, Handler
 from .message import Message
 from .sessions import AsyncCallConnection, CallConnection, SessionLost
 
@@ -158,14 +160,17 @@ class CheckedHandler(Handler):
         if call is not None and row is not None:
             self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (row[0], call))
 
-    def _record(self, query: str, params: tuple[Any, ...]) -> Any:
+    def _record(self, query: str, params: tuple[Any, ...], rows: bool = False) -> Any:
         # The side connection may be cut by the fault under test: reconnect once, then give up
         # on this record rather than fail the call (the checker reports unfinished calls).
+        # `rows`: the first column of every row returned, rather than of the first.
         for _ in range(2):
             try:
                 if self._side is None or self._side.closed:
                     self._side = psycopg.connect(self._dsn, autocommit=True, connect_timeout=5)
                 cursor = self._side.execute(query, params)
+                if rows:
+                    return [row[0] for row in cursor.fetchall()]
                 row = cursor.fetchone() if cursor.description else None
                 return row[0] if row else None
             except psycopg.Error:
@@ -174,6 +179,41 @@ class CheckedHandler(Handler):
                         self._side.close()
                 self._side = None
         return None
+
+
+class BatchCheckedHandler(BatchHandler, CheckedHandler):
+    """`CheckedHandler` for the batch engine: body {"msg": id, "entity": key, "work_ms": n,
+    "poison": bool}. Each message of a call gets its own call record (the batch's start by the
+    worker's clock, its end by the server's at the batch's effects statement); the batch takes
+    `work_ms` per message; a batch holding a poison message raises, so that the engine's
+    halving finds it. The message's "msg" is its dedup key: effects apply once."""
+
+    batch_size = 20
+
+    def dedup_key(self, message: Message) -> str | None:
+        return str(message.json()["msg"])
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        bodies = [message.json() for message in messages]
+        started, pid = _now(), os.getpid()
+        calls = self._record(
+            "INSERT INTO check_calls (msg, entity, pid, started_at)"
+            " SELECT unnest(%s::text[]), unnest(%s::text[]), %s, %s RETURNING id",
+            ([str(b["msg"]) for b in bodies], [str(b["entity"]) for b in bodies], pid, started),
+            rows=True,
+        )
+        time.sleep(sum(float(b.get("work_ms", 5)) for b in bodies) / 1000)
+        if any(b.get("poison") for b in bodies):
+            raise ValueError("poison message in the batch")
+        row = conn.execute(
+            "INSERT INTO check_effects (msg, pid) SELECT unnest(%s::text[]), %s"
+            " RETURNING clock_timestamp()",
+            ([str(b["msg"]) for b in bodies], pid),
+        ).fetchone()
+        if calls and row is not None:
+            self._record(
+                "UPDATE check_calls SET ended_at = %s WHERE id = ANY (%s)", (row[0], calls)
+            )
 
 
 # --- The session-lock engine ----------------------------------------------------------------
