@@ -167,7 +167,10 @@ def carry_out_many(
             carry_out(transport, delivery, verdict, conn)
         return
     settlements = Settlements([], [], [], [])
-    for delivery, verdict in zip(deliveries, verdicts, strict=True):
+    if verdicts.count(SUCCEEDED) == len(verdicts):
+        settlements.acks = deliveries  # the common batch
+        verdicts = []
+    for delivery, verdict in zip(deliveries, verdicts, strict=len(verdicts) > 0):
         match verdict.outcome:
             case Outcome.SUCCEEDED | Outcome.DUPLICATE:
                 settlements.acks.append(delivery)

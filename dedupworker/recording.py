@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from . import metrics
 from .engine import Call
 from .hot import HotEntities
-from .outcomes import Outcome, Verdict
+from .outcomes import SUCCEEDED, Outcome, Verdict
 
 if TYPE_CHECKING:
     from .batches import BatchCall
@@ -74,7 +74,11 @@ class Recorder:
         elapsed = time.perf_counter() - started
         counts: collections.Counter[Outcome] = collections.Counter()
         logging_all = log.isEnabledFor(logging.DEBUG)
-        for i, verdict in enumerate(call.verdicts):
+        verdicts = call.verdicts
+        if not logging_all and verdicts.count(SUCCEEDED) == len(verdicts):
+            counts[Outcome.SUCCEEDED] = len(verdicts)  # the common batch: nothing to log
+            verdicts = []
+        for i, verdict in enumerate(verdicts):
             assert verdict is not None
             outcome = verdict.outcome
             counts[outcome] += 1

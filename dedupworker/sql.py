@@ -357,8 +357,10 @@ BATCH_CLAIM_SHARED = {
 # only until the batch is full. A plan that filters every ready row first (a bitmap scan and a
 # sort, which the planner picks for a table it has no statistics of yet) would lock them all
 # (and run out of lock table). The claim is planned with those two off, for it alone.
-BATCH_CLAIM_PLAN = "SET LOCAL enable_bitmapscan = off"
-BATCH_CLAIM_PLAN_SEQ = "SET LOCAL enable_seqscan = off"
+BATCH_CLAIM_PLAN = (
+    "SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)"
+)
+# Back to the session's values for the handler's statements.
 BATCH_CLAIM_PLAN_RESET = ("RESET enable_bitmapscan", "RESET enable_seqscan")
 
 # Every entity of a batch locked in one statement (keys.lock_key's keys, from

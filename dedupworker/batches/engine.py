@@ -95,15 +95,18 @@ class BatchEngine:
         if not groups:
             return
         refused, seen = self.source.lock(call, keys, dedup_keys)
+        if not refused and not dedup_keys:
+            self._call(call, groups, first=True)  # every entity ours, no ledger keys
+            return
+        held = {keys.ordinals[n - 1] for n in refused}  # the groups of the keys refused
         runnable: Groups = []
         for ordinal, group in enumerate(groups, 1):
-            if ordinal in refused:
+            if ordinal in held:
                 self._contended(call, group)
             else:
                 runnable.append(self._unseen(call, group, seen))
         runnable = [group for group in runnable if group]
         if runnable:
-            call.savepoint = "clean"  # opened in the locks' round trip
             self._call(call, runnable, first=True)
 
     def _entities(self, call: BatchCall) -> tuple[Groups, Keys, list[str]]:
@@ -113,6 +116,7 @@ class BatchEngine:
         by_entity: dict[int | str, list[int]] = {}
         keys = Keys()
         dedup_keys: list[str] = []
+        prelocked, namespace = self.source.prelocked, handler.lock_namespace
         for i, delivery in enumerate(call.deliveries):
             message = delivery.message
             try:
@@ -123,13 +127,17 @@ class BatchEngine:
                 continue
             entities[i] = entity
             group = by_entity.get(entity)
-            if group is None:
+            if group is not None:
+                group.append(i)
+            elif prelocked(delivery, entity):
                 by_entity[entity] = [i]
-                key = session_key(handler.lock_namespace, entity, self._mode)
+                keys.prelocked += 1
+            else:
+                by_entity[entity] = [i]
+                key = session_key(namespace, entity, self._mode)
+                keys.ordinals.append(len(by_entity))
                 keys.numbers.append(key.number)
                 keys.texts.append(key.text)
-            else:
-                group.append(i)
             if dedup_key is not None:
                 call.dedup[i] = dedup_key
                 dedup_keys.append(dedup_key)

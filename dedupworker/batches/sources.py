@@ -56,14 +56,17 @@ class BatchCall:
 
 
 class Keys:
-    """A batch's distinct entities as the lock statement takes them (keys.session_key's
-    columns): int4 keys, or the text PostgreSQL hashes."""
+    """A batch's distinct entities that are still to lock, as the lock statement takes them
+    (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes), each with the
+    ordinal (from 1) of its entity's group; and how many entities taking the messages locked."""
 
-    __slots__ = ("numbers", "texts")
+    __slots__ = ("numbers", "ordinals", "prelocked", "texts")
 
     def __init__(self) -> None:
         self.numbers: list[int | None] = []
         self.texts: list[str | None] = []
+        self.ordinals: list[int] = []
+        self.prelocked = 0
 
 
 class BatchSource(Protocol):
@@ -72,6 +75,10 @@ class BatchSource(Protocol):
     def start(self, size: int) -> BatchCall | None:
         """Up to `size` messages with a connection, their transaction opened as far as the
         source opens it (None: nothing ready)."""
+
+    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+        """Whether taking the message already locked `entity` (the postgres claim locks the
+        entity given at enqueue)."""
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         """Lock every key, open the handler's savepoint and look the dedup keys up, in one
@@ -98,14 +105,25 @@ class Statements:
         self.scope = handler.ledger_scope
         self.timeout = handler.timeout_setting
 
-    def lock(self, batch: Batch, keys: Keys, dedup_keys: list[str]) -> tuple[Result, Result | None]:
-        """Queue the locks, the savepoint and the ledger look-up."""
-        ns = self.namespace
-        if self.mode == "hash64":
-            refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
-        else:
-            refused = batch.execute(sql.BATCH_LOCK["int4"], (keys.numbers, keys.texts, ns, ns))
-        batch.execute(SAVEPOINT)
+    def lock(
+        self, batch: Batch, call: BatchCall, keys: Keys, dedup_keys: list[str]
+    ) -> tuple[Result | None, Result | None]:
+        """Queue the locks (if any), the handler's savepoint after them (a savepoint rolled
+        back releases the locks taken inside it) and the ledger look-up (if any)."""
+        refused = None
+        if keys.texts:
+            if call.savepoint is not None:
+                batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
+            ns = self.namespace
+            if self.mode == "hash64":
+                refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
+            else:
+                params = (keys.numbers, keys.texts, ns, ns)
+                refused = batch.execute(sql.BATCH_LOCK["int4"], params)
+            call.savepoint = None
+        if call.savepoint is None:
+            batch.execute(SAVEPOINT)
+            call.savepoint = "clean"
         seen = batch.execute(sql.BATCH_SEEN, (self.scope, dedup_keys)) if dedup_keys else None
         return refused, seen
 
@@ -122,9 +140,9 @@ class Statements:
             batch.execute(sql.BATCH_RECORD, (self.scope, records))
 
 
-def locked(refused: Result, seen: Result | None) -> tuple[set[int], set[str]]:
+def locked(refused: Result | None, seen: Result | None) -> tuple[set[int], set[str]]:
     """What `Statements.lock`'s results say, once its batch ran."""
-    held = {row[0] for row in refused.fetchall()}
+    held = set() if refused is None else {row[0] for row in refused.fetchall()}
     return held, set() if seen is None else {row[0] for row in seen.fetchall()}
 
 
@@ -162,6 +180,9 @@ class ReceivedBatches:
             received.append(delivery)
         return received
 
+    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+        return False  # receiving took no lock
+
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
         batch = Batch(call.conn)
@@ -169,7 +190,7 @@ class ReceivedBatches:
         if self.statements.timeout is not None:
             timeout = self.statements.timeout
             batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
-        refused, seen = self.statements.lock(batch, keys, dedup_keys)
+        refused, seen = self.statements.lock(batch, call, keys, dedup_keys)
         batch.run()
         return locked(refused, seen)
 

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 from psycopg_pool import ConnectionPool
 
 from ... import sql
-from ...batches.sources import BatchCall, Keys, Statements, locked
+from ...batches.sources import SAVEPOINT, BatchCall, Keys, Statements, locked
 from ...db import give_back_broken
 from ...handler import BatchHandler, Handler
 from ...outcomes import carry_out_many
+from ...transport import Delivery
 from ...wire import Batch, Result
 
 if TYPE_CHECKING:
@@ -38,7 +39,12 @@ WINDOW_BATCHES = 2
 
 
 class _Thread(threading.local):
+    """What one thread's batch leaves for the same thread's next claim."""
+
     crowded_until = 0.0
+    # Claims open the handler's savepoint while batches need no lock of their own (every
+    # entity given at enqueue, locked by the claim): the handler can run at once.
+    savepoint_ahead = False
 
 
 class ClaimedBatches:
@@ -70,13 +76,15 @@ class ClaimedBatches:
             start = Batch(conn)
             start.execute("BEGIN")
             start.execute(sql.BATCH_CLAIM_PLAN)
-            start.execute(sql.BATCH_CLAIM_PLAN_SEQ)
             rows = self._claim_rows(start, size)
             for reset in sql.BATCH_CLAIM_PLAN_RESET:
                 start.execute(reset)
             if self.statements.timeout is not None:
                 timeout = self.statements.timeout
                 start.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
+            savepoint = self._thread.savepoint_ahead
+            if savepoint:
+                start.execute(SAVEPOINT)  # after the claim's locks
             start.run()
             deliveries = self.queue.deliveries(rows.fetchall())
             if not deliveries:
@@ -87,7 +95,14 @@ class ClaimedBatches:
         if not deliveries:
             self.pool.putconn(conn)
             return None
-        return BatchCall(deliveries, conn)
+        call = BatchCall(deliveries, conn)
+        call.savepoint = "clean" if savepoint else None
+        return call
+
+    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+        """The claim locked the entity given at enqueue: ours if it is the handler's."""
+        given = delivery.receipt.entity
+        return given is not None and type(given) is type(entity) and given == entity
 
     def _claim_rows(self, start: Batch, size: int) -> Result:
         queue, namespaces = self.queue.queue, self._namespaces
@@ -99,8 +114,11 @@ class ClaimedBatches:
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
+        self._thread.savepoint_ahead = not keys.texts
+        if not keys.texts and not dedup_keys and call.savepoint is not None:
+            return set(), set()  # every entity locked by the claim, the savepoint open
         batch = Batch(call.conn)
-        refused, seen = self.statements.lock(batch, keys, dedup_keys)
+        refused, seen = self.statements.lock(batch, call, keys, dedup_keys)
         batch.run()
         return locked(refused, seen)
 

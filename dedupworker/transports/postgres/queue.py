@@ -108,7 +108,7 @@ class PostgresTransport:
     def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
         """The jobs a batch claim got (sql.BATCH_CLAIM's columns)."""
         name, deliveries = self.name, []
-        for job_id, body, headers, attempts, contentions, contended_since, entity in rows:
+        for job_id, body, headers, attempts, contentions, contended_since, given in rows:
             message = Message(
                 str(job_id),
                 body,
@@ -116,7 +116,9 @@ class PostgresTransport:
                 attempts + 1,
                 name,
             )
-            job = Job(job_id, entity, None)
+            # "7" is the entity 7, as the claim locked it
+            entity = normalize_entity(given) if type(given) is str else given
+            job = Job(job_id, entity, None if entity is None else True)
             deliveries.append(Delivery(message, contentions, job, contended_since))
         return deliveries
 
