@@ -69,14 +69,17 @@ class BatchEngine:
         return self.recorder.stats
 
     def step(self, ahead: bool = False) -> bool:
-        """Take, decide, settle and record one batch; False when nothing was ready."""
+        """Take, decide, settle and record one batch; False when nothing was ready. With
+        `ahead`, a source that can (the postgres queue) claims this thread's next batch in the
+        round trip of this one's COMMIT and keeps it for its next step (or gives it back with
+        `release`)."""
         call = self.source.start(self.size)
         if call is None:
             return False
         started = self.recorder.started(len(call.deliveries))
         try:
             self._decide(call)
-            self.source.settle(call)
+            self.source.settle(call, ahead)
         except BaseException:
             self.source.abandon(call)
             raise

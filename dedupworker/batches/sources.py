@@ -41,7 +41,7 @@ RECEIVE_MAX = 10  # what one SQS receive returns at most
 class BatchCall:
     """One batch on its way through the engine, with the connection its transaction is on."""
 
-    __slots__ = ("conn", "dedup", "deliveries", "entities", "savepoint", "verdicts")
+    __slots__ = ("chain", "conn", "dedup", "deliveries", "entities", "savepoint", "verdicts")
 
     def __init__(self, deliveries: list[Delivery], conn: psycopg.Connection[Any]) -> None:
         self.deliveries = deliveries
@@ -53,6 +53,7 @@ class BatchCall:
         # The handler's savepoint: None (not open), "clean" (open, nothing in it yet), "kept"
         # (open, holding the writes of calls that succeeded).
         self.savepoint: str | None = None
+        self.chain = 0  # batches claimed ahead on this connection before this one
 
 
 class Keys:
@@ -84,9 +85,10 @@ class BatchSource(Protocol):
         """Lock every key, open the handler's savepoint and look the dedup keys up, in one
         round trip: the ordinals (from 1) of the keys held elsewhere, and the keys seen."""
 
-    def settle(self, call: BatchCall) -> None:
+    def settle(self, call: BatchCall, ahead: bool = False) -> None:
         """Record the succeeded messages' keys, carry every verdict out, end the transaction
-        and give the connection back."""
+        and give the connection back; with `ahead`, a source that can may claim this thread's
+        next batch in the same round trip."""
 
     def abandon(self, call: BatchCall) -> None:
         """The database failed mid-batch: roll back, give the connection back, and give the
@@ -194,7 +196,7 @@ class ReceivedBatches:
         batch.run()
         return locked(refused, seen)
 
-    def settle(self, call: BatchCall) -> None:
+    def settle(self, call: BatchCall, ahead: bool = False) -> None:
         conn = call.conn
         assert conn is not None
         end = Batch(conn)

@@ -182,7 +182,9 @@ def join_mid_batch(workers: Workers, conn: psycopg.Connection[Any], group: str) 
     assert "revoked" in workers.log(first)
 
 
-def kill_mid_batch(workers: Workers, conn: psycopg.Connection[Any]) -> tuple[Popen, set[str]]:
+def kill_mid_batch(
+    workers: Workers, conn: psycopg.Connection[Any]
+) -> tuple[Popen[bytes], set[str]]:
     """Of two workers, one is SIGKILLed in the middle of a batch: its partitions go to the
     other once the broker expired its session. Returns the survivor and the batch cut short."""
     victim = until("a worker mid-batch", lambda: stopped_mid_run(conn, workers.procs))
@@ -195,7 +197,9 @@ def kill_mid_batch(workers: Workers, conn: psycopg.Connection[Any]) -> tuple[Pop
     return survivor, cut
 
 
-def freeze_mid_batch(workers: Workers, conn: psycopg.Connection[Any]) -> tuple[Popen, set[str]]:
+def freeze_mid_batch(
+    workers: Workers, conn: psycopg.Connection[Any]
+) -> tuple[Popen[bytes], set[str]]:
     """Of two workers, one is SIGSTOPped in the middle of a batch, its transaction open with
     the locks of the batch's entities, until the broker expired its session and the other
     worker holds its partitions, with the batch's messages, uncommitted; then SIGCONT. Returns

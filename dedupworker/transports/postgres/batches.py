@@ -5,19 +5,23 @@ crash anywhere rolls the whole claim back and every job is simply there again.
 Round trips per batch, each a `dedupworker.wire.Batch`:
 
 1. BEGIN + the claim (`sql.BATCH_CLAIM`: FOR UPDATE SKIP LOCKED, passing over jobs whose
-   entity given at enqueue is locked elsewhere) (+ the handler's timeout);
-2. the locks of every entity (`sql.BATCH_LOCK`) + SAVEPOINT (+ the ledger look-up);
+   entity given at enqueue is locked elsewhere, whose locks it takes) (+ the handler's timeout)
+   (+ SAVEPOINT while batches come with their entities given), unless the thread's last COMMIT
+   carried the claim;
+2. the locks of the entities the claim did not lock (`sql.BATCH_LOCK`) + SAVEPOINT (+ the ledger
+   look-up), as far as needed;
 3. the handler's own statements, inside the savepoint (more calls if it raised);
 4. RELEASE + the ledger record + one statement per outcome (`PostgresTransport.settle_many`) +
-   COMMIT.
+   COMMIT AND CHAIN + the thread's next claim (kept for its next step), or COMMIT.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from ... import sql
@@ -36,11 +40,24 @@ if TYPE_CHECKING:
 # handler thread.
 CROWDED_FOR = 5.0
 WINDOW_BATCHES = 2
+# Batches a thread claims ahead on one connection before it gives the connection back to the
+# pool once (so that the pool's checks and max_lifetime still apply to it).
+AHEAD_CHAIN = 1000
+
+
+class _Ahead(NamedTuple):
+    """A claim made with the thread's last COMMIT, kept for its next step."""
+
+    conn: psycopg.Connection[Any]
+    rows: Result
+    savepoint: bool  # it opened the handler's savepoint
+    chain: int  # claims made ahead on this connection in a row
 
 
 class _Thread(threading.local):
     """What one thread's batch leaves for the same thread's next claim."""
 
+    ahead: _Ahead | None = None
     crowded_until = 0.0
     # Claims open the handler's savepoint while batches need no lock of their own (every
     # entity given at enqueue, locked by the claim): the handler can run at once.
@@ -62,7 +79,7 @@ class ClaimedBatches:
         self.handler = handler
         self.statements = Statements(handler)
         namespace, mode = handler.lock_namespace, handler.lock_key_mode
-        self._claim = sql.BATCH_CLAIM[mode]
+        self._claim_sql = sql.BATCH_CLAIM[mode]
         self._shared = sql.BATCH_CLAIM_SHARED[mode]
         self._threads = max(1, threads)
         self._thread = _Thread()
@@ -71,21 +88,20 @@ class ClaimedBatches:
         self._after_settle = type(handler).after_settle is not Handler.after_settle
 
     def start(self, size: int) -> BatchCall | None:
-        conn = self.pool.getconn()
+        """The batch claimed ahead by this thread's last COMMIT, or one claimed now."""
+        ahead, self._thread.ahead = self._thread.ahead, None
+        if ahead is None:
+            conn, chain = self.pool.getconn(), 0
+        else:
+            conn, chain = ahead.conn, ahead.chain
         try:
-            start = Batch(conn)
-            start.execute("BEGIN")
-            start.execute(sql.BATCH_CLAIM_PLAN)
-            rows = self._claim_rows(start, size)
-            for reset in sql.BATCH_CLAIM_PLAN_RESET:
-                start.execute(reset)
-            if self.statements.timeout is not None:
-                timeout = self.statements.timeout
-                start.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
-            savepoint = self._thread.savepoint_ahead
-            if savepoint:
-                start.execute(SAVEPOINT)  # after the claim's locks
-            start.run()
+            if ahead is None:
+                start = Batch(conn)
+                start.execute("BEGIN")
+                rows, savepoint = self._claim(start, size)
+                start.run()
+            else:
+                rows, savepoint = ahead.rows, ahead.savepoint
             deliveries = self.queue.deliveries(rows.fetchall())
             if not deliveries:
                 conn.execute("ROLLBACK")
@@ -97,7 +113,24 @@ class ClaimedBatches:
             return None
         call = BatchCall(deliveries, conn)
         call.savepoint = "clean" if savepoint else None
+        call.chain = chain
         return call
+
+    def _claim(self, batch: Batch, size: int) -> tuple[Result, bool]:
+        """Queue a batch's start right after the statement that opens its transaction (BEGIN,
+        or the last one's COMMIT AND CHAIN): the claim, planned along the ready index, the
+        handler's timeout and, while batches come with their entities given, its savepoint."""
+        batch.execute(sql.BATCH_CLAIM_PLAN)
+        rows = self._claim_rows(batch, size)
+        for reset in sql.BATCH_CLAIM_PLAN_RESET:
+            batch.execute(reset)
+        if self.statements.timeout is not None:
+            timeout = self.statements.timeout
+            batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
+        savepoint = self._thread.savepoint_ahead
+        if savepoint:
+            batch.execute(SAVEPOINT)  # after the claim's locks
+        return rows, savepoint
 
     def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
         """The claim locked the entity given at enqueue: ours if it is the handler's."""
@@ -110,7 +143,7 @@ class ClaimedBatches:
             window = size * self._threads * WINDOW_BATCHES
             params = (queue, window, self._threads, *namespaces, queue, size)
             return start.execute(self._shared, params)
-        return start.execute(self._claim, (queue, *namespaces, size))
+        return start.execute(self._claim_sql, (queue, *namespaces, size))
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
@@ -122,7 +155,10 @@ class ClaimedBatches:
         batch.run()
         return locked(refused, seen)
 
-    def settle(self, call: BatchCall) -> None:
+    def settle(self, call: BatchCall, ahead: bool = False) -> None:
+        """The ledger record, one statement per outcome and COMMIT in one round trip, with the
+        thread's next claim when it may make one ahead (the next transaction opens with this
+        one's COMMIT AND CHAIN)."""
         conn = call.conn
         assert conn is not None
         if len(set(call.entities)) < len(call.entities):
@@ -136,10 +172,18 @@ class ClaimedBatches:
             settle.run()
             for delivery, verdict in zip(call.deliveries, verdicts, strict=True):
                 self.handler.after_settle(delivery.message, verdict.outcome, conn)
-        settle.execute("COMMIT")
+        if not ahead or call.chain >= AHEAD_CHAIN:
+            settle.execute("COMMIT")
+            settle.run()
+            call.conn = None
+            self.pool.putconn(conn)
+            return
+        settle.execute("COMMIT AND CHAIN")
+        settle.tail()  # the next claim: its errors are its own, not this batch's
+        rows, savepoint = self._claim(settle, self.handler.batch_size)
         settle.run()
         call.conn = None
-        self.pool.putconn(conn)
+        self._thread.ahead = _Ahead(conn, rows, savepoint, call.chain + 1)
 
     def abandon(self, call: BatchCall) -> None:
         if call.conn is not None:
@@ -147,4 +191,13 @@ class ClaimedBatches:
             call.conn = None
 
     def release(self) -> None:
-        return None
+        """Roll back the batch this thread claimed ahead, if any, and give its connection
+        back."""
+        ahead, self._thread.ahead = self._thread.ahead, None
+        if ahead is not None:
+            try:
+                ahead.conn.execute("ROLLBACK")
+            except BaseException:
+                give_back_broken(self.pool, ahead.conn)
+                raise
+            self.pool.putconn(ahead.conn)
