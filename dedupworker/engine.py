@@ -1,19 +1,26 @@
 """The execution seams: what the worker drives per handler, and what a message's call runs in.
 
     Worker ── drives, one per handler ──> Engine         step() until stopped or drained
-                                          └── Runner     the per-message transaction engine
+                                          ├── Runner     the per-message transaction engine
+                                          └── BatchEngine  many messages per transaction
+                                                           (dedupworker/batches/)
            ── or lets it serve itself ──> Serves         serve(host) until stopped or drained
                                           └── SessionEngine  session locks (dedupworker/sessions/)
     Runner ── opens and closes each message's transaction through ──> Transactions
         ├── ReceivedTransactions (dedupworker/received.py): messages handed over (SQS, Kafka)
         └── ClaimedTransactions (transports/postgres/claims.py): the claim is in the transaction
+    BatchEngine ── opens and closes each batch's transaction through ──> batches.BatchSource
+        ├── ReceivedBatches (dedupworker/batches/sources.py): messages handed over (SQS, Kafka)
+        └── ClaimedBatches (transports/postgres/batches.py): the claim is in the transaction
 
 An engine decides how locks and transactions wrap a handler call; the outcome of a call is
 decided in `dedupworker.outcomes` whatever the engine, and recorded by `dedupworker.recording`.
 `Runner` holds one transaction (and one pooled connection) per call, the lock taken with
-`pg_try_advisory_xact_lock` inside it; `SessionEngine` holds session locks on a few lock
-sessions while calls run with no transaction open, on its own event loop. An engine that runs
-many entities per transaction is to sit beside them. docs/architecture.md draws the whole map.
+`pg_try_advisory_xact_lock` inside it; `BatchEngine`, for a `BatchHandler`, is an `Engine`
+stepped by the same handler threads, each step one batch of up to `batch_size` messages in one
+transaction on one pooled connection, the locks of all their entities taken in one statement
+(docs/batches.md); `SessionEngine` holds session locks on a few lock sessions while calls run
+with no transaction open, on its own event loop. docs/architecture.md draws the whole map.
 """
 
 from __future__ import annotations
@@ -94,7 +101,8 @@ class Engine(Protocol):
     def stats(self) -> collections.Counter[str]: ...
 
     def step(self, ahead: bool = False) -> bool:
-        """Process one message; False when nothing was ready."""
+        """Process one message (one batch, for the batch engine); False when nothing was
+        ready."""
 
     def release(self) -> None:
         """Called once by each handler thread when it stops."""

@@ -148,7 +148,10 @@ class BatchHandler(Handler):
         self.handle_batch([message], conn)
 
 
-BATCH_SIZE_MAX = 10_000
+# Each job of a postgres batch holds two locks (its claim's and its entity's) until COMMIT, in
+# PostgreSQL's shared lock table (max_locks_per_transaction x max_connections slots: about
+# 6,400 to 12,800 on a default server, for every transaction at once).
+BATCH_SIZE_MAX = 1000
 
 
 def _check_batch(cls: type[Handler]) -> None:

@@ -93,8 +93,9 @@ class Receives(Transport, Protocol):
 
 @runtime_checkable
 class ReceivesMany(Protocol):
-    """Many messages at once, for an engine that keeps them all (the session-lock engine): no
-    handler thread owns them, so none is taken for orphaned by the thread's next receive."""
+    """Many messages at once, for an engine that keeps them all (the session-lock and batch
+    engines): no handler thread owns them, so none is taken for orphaned by the thread's next
+    receive."""
 
     def receive_many(self, count: int, wait: bool = True) -> list[Delivery]:
         """Up to `count` messages; `wait=False`: without waiting for more to arrive."""

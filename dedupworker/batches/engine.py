@@ -17,13 +17,14 @@ import logging
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from .. import metrics
 from ..errors import ConfigurationError
 from ..handler import BatchHandler
 from ..keys import normalize_entity, session_key
-from ..outcomes import DUPLICATE, on_bad_entity, on_contended, on_failure, on_success
+from ..outcomes import DUPLICATE, Outcome, on_bad_entity, on_contended, on_failure, on_success
 from ..recording import Recorder
 from ..runner import check_transaction
 from ..transport import ClaimsBatches, Receives, Transport
@@ -40,6 +41,7 @@ from .sources import (
 
 log = logging.getLogger("dedupworker")
 
+_OPEN = (int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR))
 Groups = list[list[int]]  # message ordinals of a batch, one list per entity, in order
 
 
@@ -103,11 +105,12 @@ class BatchEngine:
             return
         held = {keys.ordinals[n - 1] for n in refused}  # the groups of the keys refused
         runnable: Groups = []
+        taken: set[str] = set()  # the ledger keys of the messages to run
         for ordinal, group in enumerate(groups, 1):
             if ordinal in held:
                 self._contended(call, group)
             else:
-                runnable.append(self._unseen(call, group, seen))
+                runnable.append(self._unseen(call, group, seen, taken))
         runnable = [group for group in runnable if group]
         if runnable:
             self._call(call, runnable, first=True)
@@ -150,29 +153,36 @@ class BatchEngine:
         for i in ordinals:
             call.verdicts[i] = on_contended(self.handler, call.deliveries[i])
 
-    def _unseen(self, call: BatchCall, group: list[int], seen: set[str]) -> list[int]:
+    def _unseen(
+        self, call: BatchCall, group: list[int], seen: set[str], taken: set[str]
+    ) -> list[int]:
         """The group's messages to run: those whose ledger key is recorded are duplicates; a
         second message with a key already in this batch waits as contended (the ledger tells,
         when it comes back, whether the first one's effects committed)."""
-        if not seen and not any(call.dedup[i] for i in group):
-            return group
         run = []
         for i in group:
             key = call.dedup[i]
-            if key is not None and key in seen:
+            if key is None:
+                run.append(i)
+            elif key in seen:
                 call.verdicts[i] = DUPLICATE
-                continue
-            if key is not None:
-                seen.add(key)
-            run.append(i)
+            elif key in taken:
+                call.verdicts[i] = on_contended(self.handler, call.deliveries[i])
+            else:
+                taken.add(key)
+                run.append(i)
         return run
 
     def _call(self, call: BatchCall, groups: Groups, first: bool = False) -> None:
         """`handle_batch` on the groups' messages; if it raises, on each half of the groups,
         down to one entity's messages, which then run one by one in order: the first that
         fails alone gets its failure's verdict, the entity's later ones wait as contended."""
-        error = self._attempt(call, [i for group in groups for i in group], first)
+        ordinals = [i for group in groups for i in group]
+        error = self._attempt(call, ordinals, first)
         if error is None:
+            return
+        if call.ended is not None:
+            self._ended(call, error)
             return
         if len(groups) > 1:
             half = len(groups) // 2
@@ -190,6 +200,15 @@ class BatchEngine:
                 self._contended(call, group[n + 1 :])
                 return
 
+    def _ended(self, call: BatchCall, error: Exception) -> None:
+        """A call ended the batch's transaction itself: what the batch's earlier calls wrote
+        was committed or rolled back with it, out of the engine's hands, so every message that
+        ran fails (retried; the handler's bug is in the reason) rather than be acknowledged
+        without its effects."""
+        for i, verdict in enumerate(call.verdicts):
+            if verdict is None or verdict.outcome is Outcome.SUCCEEDED:
+                call.verdicts[i] = on_failure(self.handler, call.deliveries[i], error)
+
     def _attempt(
         self, call: BatchCall, ordinals: list[int], first: bool = False
     ) -> Exception | None:
@@ -197,6 +216,8 @@ class BatchEngine:
         successes, or what it raised (its writes rolled back)."""
         conn = call.conn
         assert conn is not None
+        if call.ended is not None:
+            return call.ended
         if not first:
             self._splits.inc()
             self._fresh_savepoint(call, conn)
@@ -207,6 +228,9 @@ class BatchEngine:
         except Exception as exc:
             if conn.broken or conn.closed:
                 raise
+            if conn.pgconn.transaction_status not in _OPEN:
+                call.ended, call.savepoint = exc, None  # every message still to run fails
+                return exc
             conn.execute(ROLLBACK_TO_SAVEPOINT)
             call.savepoint = "clean"
             return exc

@@ -41,7 +41,16 @@ RECEIVE_MAX = 10  # what one SQS receive returns at most
 class BatchCall:
     """One batch on its way through the engine, with the connection its transaction is on."""
 
-    __slots__ = ("chain", "conn", "dedup", "deliveries", "entities", "savepoint", "verdicts")
+    __slots__ = (
+        "chain",
+        "conn",
+        "dedup",
+        "deliveries",
+        "ended",
+        "entities",
+        "savepoint",
+        "verdicts",
+    )
 
     def __init__(self, deliveries: list[Delivery], conn: psycopg.Connection[Any]) -> None:
         self.deliveries = deliveries
@@ -54,6 +63,9 @@ class BatchCall:
         # (open, holding the writes of calls that succeeded).
         self.savepoint: str | None = None
         self.chain = 0  # batches claimed ahead on this connection before this one
+        # What a call raised after it ended the batch's transaction itself (commit or
+        # rollback): no savepoint is left to fall back to, nothing more is called.
+        self.ended: Exception | None = None
 
 
 class Keys:
@@ -82,8 +94,9 @@ class BatchSource(Protocol):
         entity given at enqueue)."""
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
-        """Lock every key, open the handler's savepoint and look the dedup keys up, in one
-        round trip: the ordinals (from 1) of the keys held elsewhere, and the keys seen."""
+        """Lock the keys that taking the messages did not lock, open the handler's savepoint
+        after them and look the dedup keys up, in one round trip (none if nothing is needed):
+        the ordinals (from 1) of the keys held elsewhere, and the ledger keys seen."""
 
     def settle(self, call: BatchCall, ahead: bool = False) -> None:
         """Record the succeeded messages' keys, carry every verdict out, end the transaction

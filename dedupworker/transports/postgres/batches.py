@@ -161,7 +161,8 @@ class ClaimedBatches:
         one's COMMIT AND CHAIN)."""
         conn = call.conn
         assert conn is not None
-        if len(set(call.entities)) < len(call.entities):
+        entities = [entity for entity in call.entities if entity is not None]
+        if len(set(entities)) < len(entities):
             self._thread.crowded_until = time.monotonic() + CROWDED_FOR
         settle = Batch(conn)
         self.statements.end(settle, call)
@@ -172,7 +173,7 @@ class ClaimedBatches:
             settle.run()
             for delivery, verdict in zip(call.deliveries, verdicts, strict=True):
                 self.handler.after_settle(delivery.message, verdict.outcome, conn)
-        if not ahead or call.chain >= AHEAD_CHAIN:
+        if not ahead or call.chain >= AHEAD_CHAIN or call.ended is not None:
             settle.execute("COMMIT")
             settle.run()
             call.conn = None
