@@ -154,6 +154,22 @@ def carry_out(
             transport.dead_letter(delivery, verdict.reason, conn, traceback=trace)
 
 
+def _carry_out_each(
+    transport: Transport,
+    deliveries: list[Delivery],
+    verdicts: list[Verdict],
+    conn: Executor | None,
+) -> None:
+    failed: Exception | None = None
+    for delivery, verdict in zip(deliveries, verdicts, strict=True):
+        try:
+            carry_out(transport, delivery, verdict, conn)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
 def carry_out_many(
     transport: Transport,
     deliveries: list[Delivery],
@@ -161,10 +177,11 @@ def carry_out_many(
     conn: Executor | None,
 ) -> None:
     """A batch's verdicts, carried out together by a transport that can (`SettlesMany`: one
-    statement per outcome), or one by one (`carry_out`)."""
+    statement per outcome), or one by one (`carry_out`): each message's, whatever an earlier
+    one's raised (the first error is raised once all were carried out; the message it failed is
+    its transport's to keep, as after a per-message call)."""
     if not isinstance(transport, SettlesMany):
-        for delivery, verdict in zip(deliveries, verdicts, strict=True):
-            carry_out(transport, delivery, verdict, conn)
+        _carry_out_each(transport, deliveries, verdicts, conn)
         return
     settlements = Settlements([], [], [], [])
     if verdicts.count(SUCCEEDED) == len(verdicts):

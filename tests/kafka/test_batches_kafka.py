@@ -12,7 +12,7 @@ topic with their reason, and the group's committed offsets at the end of every p
 the dead letters too.
 
 Where a test needs work left whatever the machine's speed (a rebalance mid-run), the gate of
-tests/kafka/test_faults_kafka.py holds it: the test holds the lock of the checker's entity GATE,
+tests/kafka/test_faults_kafka.py holds it: the test holds the lock of the checker's entity e0,
 whose messages stay contended at the head of their key until it is released.
 """
 
@@ -52,6 +52,7 @@ from tests.support.batch_broker_handlers import (
     call_sizes,
     effect_counts,
     expected_reason,
+    ledger_matches_effects,
     most_of_one_entity,
 )
 from tests.support.kafka_server import Tansu
@@ -97,6 +98,10 @@ def test_a_batch_handler_drains_a_topic_once_per_message_in_each_keys_order(
         workers.wait()  # drained: exited 0 once the group consumed the whole topic
     produced = topic.produced()
     assert effect_counts(tables) == dict.fromkeys(produced, 1)  # every effect, once
+    # Under the default ledger key, the message id: topic/partition/offset.
+    assert ledger_matches_effects(tables, KeyedBatch.__name__)
+    ids = tables.execute("SELECT message_id FROM batch_effects").fetchall()
+    assert all(message_id.startswith(f"{name}/") for (message_id,) in ids)
     sizes = call_sizes(tables)
     assert sum(sizes) == len(produced) and max(sizes) > 1, sizes
     assert max(sizes) <= KeyedBatch.batch_size

@@ -167,6 +167,13 @@ def most_of_one_entity(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
+def ledger_matches_effects(conn: psycopg.Connection[Any], scope: str) -> bool:
+    """The dedup ledger of `scope` holds exactly the message ids of the committed effects."""
+    ledger = conn.execute("SELECT key FROM dedupworker.processed WHERE scope = %s", (scope,))
+    effects = conn.execute("SELECT message_id FROM batch_effects")
+    return {key for (key,) in ledger} == {message_id for (message_id,) in effects}
+
+
 def attempts_with(conn: psycopg.Connection[Any], msg: str) -> list[list[str]]:
     """The msgs of every call (committed or not) that was given `msg`, in no order."""
     rows = conn.execute("SELECT msgs FROM batch_attempts WHERE %s = ANY (msgs)", (msg,))
