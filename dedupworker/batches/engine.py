@@ -177,7 +177,7 @@ class BatchEngine:
         """`handle_batch` on the groups' messages; if it raises, on each half of the groups,
         down to one entity's messages, which then run one by one in order: the first that
         fails alone gets its failure's verdict, the entity's later ones wait as contended."""
-        ordinals = [i for group in groups for i in group]
+        ordinals = sorted([i for group in groups for i in group])  # in the source's order
         error = self._attempt(call, ordinals, first)
         if error is None:
             return

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from dedupworker import Message, enqueue
+from dedupworker.handler import BATCH_SIZE_MAX
 from dedupworker.keys import lock_key
 from tests.conftest import ROOT, clean_env, cli
 from tests.support.batch_handlers import NAMESPACE, RETRY_LATER_DELAY, TABLES
@@ -75,6 +76,13 @@ def spawn(dsn: str, handler: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+
+
+def finish(worker: subprocess.Popen[str]) -> None:
+    """Kill a background worker if it still runs, and close its pipe."""
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGKILL)
+    worker.communicate(timeout=10)
 
 
 def put(
@@ -235,10 +243,14 @@ def test_retry_later_succeeds_on_the_second_attempt_and_failures_retry_to_max_at
 
 
 HELD = (5, "acct-9")
-HELD_JOBS = (
-    "SELECT * FROM dedupworker.jobs"
-    " WHERE convert_from(body, 'UTF8')::jsonb ->> 'entity' IN ('5', 'acct-9')"
-)
+# The held entities' jobs, plain (no entity given at enqueue) or not: their fewest contentions,
+# their most contentions and attempts.
+HELD_JOBS = """
+SELECT entity IS NULL, min(contentions), max(contentions), max(attempts), count(*)
+FROM dedupworker.jobs
+WHERE convert_from(body, 'UTF8')::jsonb ->> 'entity' IN ('5', 'acct-9')
+GROUP BY 1
+"""
 
 
 @pytest.fixture
@@ -252,43 +264,39 @@ def holder(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield session
 
 
+def held_jobs(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, ...]]:
+    """The held entities' jobs still queued: per kind ("plain", "given"), their fewest and
+    most contentions, their most attempts, how many."""
+    rows = conn.execute(HELD_JOBS).fetchall()
+    return {"plain" if plain else "given": tuple(rest) for plain, *rest in rows}
+
+
 def test_entities_locked_elsewhere_wait_without_using_attempts(
     conn: psycopg.Connection[Any], dsn: str, holder: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
     entities: list[int | str] = [*range(8), "acct-9"]
     bodies = [{"msg": str(i), "entity": entities[i % len(entities)]} for i in range(180)]
     put(conn, bodies, every_other)
+    held = [body for body in bodies if body["entity"] in HELD]
     stats = tmp_path / "stats.json"
-    held = len([body for body in bodies if body["entity"] in HELD])
     worker = spawn(dsn, "Tally", "--concurrency", "2", "--stats-file", str(stats))
     try:
-        wait_for(
-            lambda: (
-                left(conn) == held
-                and scalar(conn, f"{HELD_JOBS} AND contentions = 0 AND entity IS NULL") == 0
-            )
-        )
+        # Every other entity's jobs done, each plain job of the held ones bounced once.
+        wait_for(lambda: left(conn) == len(held) and held_jobs(conn)["plain"][0] > 0)
         # Plain jobs were claimed and requeued as contended, without an attempt; those with
         # their entity given were passed over by the claim: never claimed, never bounced.
-        plain = (
-            f"SELECT min(contentions) > 0, max(attempts) FROM ({HELD_JOBS} AND entity IS NULL) j"
-        )
-        assert conn.execute(plain).fetchone() == (True, 0)
-        given = (
-            f"SELECT max(contentions), max(attempts) FROM ({HELD_JOBS} AND entity IS NOT NULL) j"
-        )
-        assert conn.execute(given).fetchone() == (0, 0)
+        jobs = held_jobs(conn)
+        assert jobs["plain"][2:] == (0, len(held) // 2)
+        assert jobs["given"] == (0, 0, 0, len(held) // 2)
         assert not [call for call in calls(conn) if {"5", "acct-9"} & set(call.entities)]
         holder.execute("SELECT pg_advisory_unlock_all()")
         _, err = worker.communicate(timeout=60)
         assert worker.returncode == 0, err
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGKILL)
-            worker.wait(10)
+        finish(worker)
     assert effects(conn) == Counter(str(body["msg"]) for body in bodies)
     assert left(conn) == 0
-    assert json.loads(stats.read_text())["contended"] >= 20
+    assert json.loads(stats.read_text())["contended"] >= len(held) // 2
 
 
 def test_the_ledger_applies_a_business_key_once(
@@ -316,17 +324,12 @@ def test_the_ledger_applies_a_business_key_once(
     assert left(conn) == 0 and not dead(conn)
     keys = {row[0] for row in conn.execute("SELECT key FROM dedupworker.processed")}
     assert keys == {str(body["key"]) for body in bodies}
-    assert counts["duplicate"] == 4
+    # a2 and a3 waited as contended behind a1 (one key, one batch), then were duplicates.
+    assert counts["duplicate"] == 4 and counts["contended"] >= 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchEngine._unseen acknowledges the second message of a key in one batch as a "
-    "duplicate at once instead of making it wait as contended (docs/batches.md, Duplicates): "
-    "when the first one then fails, the key's effects are never applied",
-)
 def test_a_key_whose_first_message_fails_in_the_batch_runs_with_its_second(
-    conn: psycopg.Connection[Any], dsn: str
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
 ) -> None:
     bodies = [
         {"msg": "first", "entity": 1, "key": "K", "do": "reject"},
@@ -334,9 +337,11 @@ def test_a_key_whose_first_message_fails_in_the_batch_runs_with_its_second(
         *({"msg": f"f{i}", "entity": 10 + i, "key": f"F{i}"} for i in range(5)),
     ]
     put(conn, bodies)
-    run(dsn, "ByKey", "--concurrency", "1")
+    counts = run(dsn, "ByKey", "--concurrency", "1", stats=tmp_path / "stats.json")
     assert set(dead(conn)) == {"first"}
-    assert effects(conn)["second"] == 1  # the ledger had no K: the second one runs
+    # The second one waited as contended; back, it found no K in the ledger, and ran.
+    assert effects(conn) == Counter(str(body["msg"]) for body in bodies[1:])
+    assert (counts["contended"], counts.get("duplicate", 0)) == (1, 0)
 
 
 def test_a_malformed_entity_dead_letters_its_message_and_the_rest_of_the_batch_succeeds(
@@ -346,24 +351,23 @@ def test_a_malformed_entity_dead_letters_its_message_and_the_rest_of_the_batch_s
     bodies.insert(5, {"msg": "no-entity"})
     bodies.insert(12, {"msg": "float", "entity": 1.5})
     bodies.insert(20, {"msg": "bool", "entity": True})
-    put(conn, bodies)
+    ids = put(conn, bodies)
     run(dsn, "Whole", "--concurrency", "1")
     found = dead(conn)
-    prefix = "entity_id() failed, the message is malformed: "
+    prefix = "entity_id() failed, the message is malformed: InvalidEntity: entity_id() returned"
     assert found == {
-        "no-entity": (f"{prefix}KeyError: 'entity'", 1),
-        "float": (
-            f"{prefix}InvalidEntity: entity_id() returned float 1.5; return an int or a str",
-            1,
-        ),
-        "bool": (
-            f"{prefix}InvalidEntity: entity_id() returned bool True; return an int or a str",
-            1,
-        ),
+        "no-entity": ("entity_id() failed, the message is malformed: KeyError: 'entity'", 1),
+        "float": (f"{prefix} float 1.5; return an int or a str", 1),
+        "bool": (f"{prefix} bool True; return an int or a str", 1),
     }
-    good = [str(body["msg"]) for body in bodies if body["msg"] not in found]
-    assert effects(conn) == Counter(good)
-    assert [call.msgs for call in calls(conn)] == [good]  # one batch, its malformed ones out
+    good = {job: body for job, body in zip(ids, bodies, strict=True) if body["msg"] not in found}
+    assert effects(conn) == Counter(str(body["msg"]) for body in good.values())
+    (call,) = calls(conn)  # one batch, its malformed messages left out
+    assert sorted(call.jobs) == sorted(good)
+    in_order: dict[str, list[int]] = {}
+    for job, body in good.items():
+        in_order.setdefault(str(body["entity"]), []).append(job)
+    assert applied(conn) == in_order
 
 
 def test_hot_entities_run_in_order_one_batch_at_a_time(
@@ -389,8 +393,11 @@ def test_hot_entities_run_in_order_one_batch_at_a_time(
 @pytest.mark.parametrize(
     ("handler", "message"),
     [
-        ("ZeroBatchSize", "ZeroBatchSize.batch_size = 0; give an int from 1 to 10000"),
-        ("TextBatchSize", "TextBatchSize.batch_size = '7'; give an int from 1 to 10000"),
+        ("ZeroBatchSize", f"ZeroBatchSize.batch_size = 0; give an int from 1 to {BATCH_SIZE_MAX}"),
+        (
+            "TextBatchSize",
+            f"TextBatchSize.batch_size = '7'; give an int from 1 to {BATCH_SIZE_MAX}",
+        ),
         ("AsyncBatch", "AsyncBatch.handle_batch is `async def`"),
         ("SessionBatch", "SessionBatch.lock_scope = 'session': a BatchHandler runs each batch"),
         ("NoBatch", "NoBatch must implement handle_batch()"),
@@ -417,3 +424,39 @@ def test_seven_and_the_string_seven_are_one_entity_in_a_batch(
     assert call.jobs == ids  # one batch, in order
     assert call.locks == 1  # one entity, one lock
     assert applied(conn) == {"7": ids}
+
+
+# A claim that passes over an entity's job (its lock held elsewhere) and then takes the lock,
+# freed meanwhile, at a later job of that entity, claims the later one without the earlier.
+ORDER_RACE = (
+    "a claim that meets an entity's lock held, then free again further along its scan, takes "
+    "the entity's later jobs without the earlier one it passed over"
+)
+CLAIMING = (
+    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'dedupworker:%%'"
+    " AND state = 'active' AND query LIKE '%%SELECT id, body, headers, attempts%%'"
+)
+
+
+# Not strict: the race is timing-bound and the test can miss it (about 1 run in 100).
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=ORDER_RACE)
+def test_an_entity_freed_during_a_claim_still_runs_its_jobs_in_order(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    conn.execute(TABLES.encode())
+    # Entity 1's two jobs with, between them, 50,000 jobs of entity 2, which the test holds for
+    # good: each claim passes over all of them (some 0.1 s), time enough to free entity 1.
+    first = enqueue(conn, QUEUE, [{"msg": "first", "entity": 1}], entity=lambda _: 1)
+    between = [{"msg": f"x{i}", "entity": 2} for i in range(50_000)]
+    enqueue(conn, QUEUE, between, entity=lambda _: 2)
+    second = enqueue(conn, QUEUE, [{"msg": "second", "entity": 1}], entity=lambda _: 1)
+    conn.execute("ANALYZE dedupworker.jobs")
+    conn.execute("SELECT pg_advisory_lock(%s, 1), pg_advisory_lock(%s, 2)", (NAMESPACE, NAMESPACE))
+    worker = spawn(dsn, "Tally", "--concurrency", "1")
+    try:
+        wait_for(lambda: scalar(conn, CLAIMING) > 0, limit=30)  # past the first job by now
+        conn.execute("SELECT pg_advisory_unlock(%s, 1)", (NAMESPACE,))
+        wait_for(lambda: scalar(conn, "SELECT count(*) FROM batch_effects") == 2, limit=30)
+    finally:
+        finish(worker)
+    assert applied(conn) == {"1": first + second}

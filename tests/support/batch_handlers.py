@@ -1,15 +1,15 @@
 """Batch handlers (`dedupworker.BatchHandler`) of the batch engine's tests on the postgres queue
 (tests/postgres/test_batches.py, test_batch_faults.py), run by real `dedupworker run` processes.
 
-`Tally` logs every call of `handle_batch` in `batch_calls`, from a side connection of its own
-(autocommit: a call that raised, whose writes the engine rolled back, is logged too): the jobs
-in the order given, their entities and attempts, how many entity locks of `NAMESPACE` the
-batch's transaction holds, when the call started (the server's clock at its first statement,
-the locks held) and ended (the server's clock at its effects statement, or when it raised, the
-locks still held), and what it raised. Each message's effect is a `batch_effects` row written
-in the batch's transaction, so only committed calls leave one; `seq` (one per call, drawn
-under the locks) and `pos` (the message's place in the call) say in which order an entity's
-effects were applied.
+`Tally` logs every call of `handle_batch` in `batch_calls`, from a connection of its own for the
+call (autocommit, to DEDUPWORKER_DSN: a call that raised, whose writes the engine rolled back, is
+logged too): the batch's backend, the jobs in the order given, their entities and attempts, how
+many entity locks of `NAMESPACE` the batch's transaction holds, when the call started (the
+server's clock at its first statement, the locks held) and ended (the server's clock at its
+effects statement, or when it raised, the locks still held), and what it raised. Each message's
+effect is a `batch_effects` row written in the batch's transaction, so only committed calls
+leave one; `seq` (one per call, drawn under the locks) and `pos` (the message's place in the
+call) say in which order an entity's effects were applied.
 
 Body: {"msg": id, "entity": key, "work_ms": n, "key": business key, "do": "ok" (the default)
 | "reject" | "fail" | "retry_later"}: the call raises for the first message of the batch whose
@@ -19,7 +19,6 @@ Body: {"msg": id, "entity": key, "work_ms": n, "key": business key, "do": "ok" (
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -78,12 +77,6 @@ RETURNING clock_timestamp()
 _ENDED = "UPDATE batch_calls SET ended = coalesce(%s, clock_timestamp()), raised = %s WHERE id = %s"
 
 
-class _Side(threading.local):
-    """Each handler thread's own autocommit connection for the call log."""
-
-    conn: psycopg.Connection[Any] | None = None
-
-
 def steer(message: Message) -> None:
     """Raise what the body's "do" asks for."""
     body = message.json()
@@ -105,9 +98,6 @@ class Tally(BatchHandler):
     retry_backoff = tenacity.wait_fixed(0.1)
     contention_backoff = tenacity.wait_random(0.05, 0.2)
 
-    def __init__(self) -> None:
-        self._side = _Side()
-
     def entity_id(self, message: Message) -> int | str:
         entity: int | str = message.json()["entity"]
         return entity
@@ -119,31 +109,24 @@ class Tally(BatchHandler):
         entities = [str(body["entity"]) for body in bodies]
         attempts = [message.attempt for message in messages]
         jobs = [int(message.id) for message in messages]
-        call = self._log(_CALL, (seq, pid, jobs, msgs, entities, attempts, locks, started))
-        try:
-            time.sleep(sum(float(body.get("work_ms", 0)) for body in bodies) / 1000)
-            for message in messages:
-                steer(message)
-        except Exception as exc:
-            self._log(_ENDED, (None, f"{type(exc).__name__}: {exc}", call))
-            raise
-        (ended,) = self._one(conn, _EFFECTS, (seq, msgs, entities, jobs, attempts))
-        self._log(_ENDED, (ended, None, call))
+        with psycopg.connect(os.environ["DEDUPWORKER_DSN"], autocommit=True) as log:
+            logged = (seq, pid, jobs, msgs, entities, attempts, locks, started)
+            call = self._one(log, _CALL, logged)[0]
+            try:
+                time.sleep(sum(float(body.get("work_ms", 0)) for body in bodies) / 1000)
+                for message in messages:
+                    steer(message)
+            except Exception as exc:
+                log.execute(_ENDED, (None, f"{type(exc).__name__}: {exc}", call))
+                raise
+            (ended,) = self._one(conn, _EFFECTS, (seq, msgs, entities, jobs, attempts))
+            log.execute(_ENDED, (ended, None, call))
 
     @staticmethod
     def _one(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> Any:
         row = conn.execute(query, params).fetchone()
         assert row is not None
         return row
-
-    def _log(self, query: str, params: tuple[Any, ...]) -> Any:
-        side = self._side.conn
-        if side is None or side.closed:
-            dsn = os.environ["DEDUPWORKER_DSN"]
-            side = self._side.conn = psycopg.connect(dsn, autocommit=True)
-        cursor = side.execute(query, params)
-        row = cursor.fetchone() if cursor.description else None
-        return None if row is None else row[0]
 
 
 class Whole(Tally):
