@@ -318,9 +318,10 @@ BATCH_CLAIM = {
 # The same for hot entities (few entities, many jobs each), which a batch engine's thread
 # switches to while its batches come with repeated entities: among the first %s ready jobs
 # (the window), the distinct entities given at enqueue in the order of their first job; it
-# locks at most 1/%s of them (the worker's threads share them out: one thread's batch holding
-# every hot entity would leave the others nothing to run), then claims their jobs (and jobs
-# with no entity given) as BATCH_CLAIM does.
+# locks at most 1/%s of them (the threads of the workers share them out: one thread's batch
+# holding every hot entity would leave the others nothing to run; see
+# transports/postgres/batches.py), then claims their jobs (and jobs with no entity given) as
+# BATCH_CLAIM does.
 _BATCH_CLAIM_SHARED = """
 WITH head AS (
     SELECT id, entity, run_at FROM dedupworker.jobs

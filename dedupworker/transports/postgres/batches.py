@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 # handler thread.
 CROWDED_FOR = 5.0
 WINDOW_BATCHES = 2
+# The claims of hot entities share them out among this many workers' worth of threads (this
+# worker's `--concurrency` each): a claim takes at most 1/(threads x SHARE_WORKERS) of the hot
+# entities, so that the threads of up to that many workers all find some free. Fewer entities
+# per batch costs nothing while each has jobs enough to fill it.
+SHARE_WORKERS = 4
 # Batches a thread claims ahead on one connection before it gives the connection back to the
 # pool once (so that the pool's checks and max_lifetime still apply to it).
 AHEAD_CHAIN = 1000
@@ -141,7 +146,8 @@ class ClaimedBatches:
         queue, namespaces = self.queue.queue, self._namespaces
         if time.monotonic() < self._thread.crowded_until:
             window = size * self._threads * WINDOW_BATCHES
-            params = (queue, window, self._threads, *namespaces, queue, size)
+            ways = self._threads * SHARE_WORKERS
+            params = (queue, window, ways, *namespaces, queue, size)
             return start.execute(self._shared, params)
         return start.execute(self._claim_sql, (queue, *namespaces, size))
 
