@@ -107,6 +107,8 @@ _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
 def _array_param(values: list[Any]) -> bytes:
     """A list as a PostgreSQL array literal (ints, floats, bools, strs, None): one text array
     parameter instead of one parameter per value (the batch engine's statements)."""
+    if values and type(values[0]) is int and all(type(value) is int for value in values):
+        return b"{%s}" % ",".join(map(str, values)).encode()  # ids: the common case
     return b"{" + b",".join(map(_element, values)) + b"}"
 
 

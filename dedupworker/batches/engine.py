@@ -23,7 +23,7 @@ from psycopg_pool import ConnectionPool
 from .. import metrics
 from ..errors import ConfigurationError
 from ..handler import BatchHandler
-from ..keys import normalize_entity, session_key
+from ..keys import INT4_MAX, INT4_MIN, normalize_entity
 from ..outcomes import DUPLICATE, Outcome, on_bad_entity, on_contended, on_failure, on_success
 from ..recording import Recorder
 from ..runner import check_transaction
@@ -122,7 +122,7 @@ class BatchEngine:
         by_entity: dict[int | str, list[int]] = {}
         keys = Keys()
         dedup_keys: list[str] = []
-        prelocked, namespace = self.source.prelocked, handler.lock_namespace
+        prelocked, int4 = self.source.prelocked, self._mode == "int4"
         for i, delivery in enumerate(call.deliveries):
             message = delivery.message
             try:
@@ -140,10 +140,13 @@ class BatchEngine:
                 keys.prelocked += 1
             else:
                 by_entity[entity] = [i]
-                key = session_key(namespace, entity, self._mode)
                 keys.ordinals.append(len(by_entity))
-                keys.numbers.append(key.number)
-                keys.texts.append(key.text)
+                if type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
+                    keys.numbers.append(entity)  # keys.session_key's columns, inline
+                    keys.texts.append(None)
+                else:
+                    keys.numbers.append(None)
+                    keys.texts.append(str(entity))
             if dedup_key is not None:
                 call.dedup[i] = dedup_key
                 dedup_keys.append(dedup_key)

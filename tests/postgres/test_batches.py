@@ -222,9 +222,10 @@ def test_retry_later_succeeds_on_the_second_attempt_and_failures_retry_to_max_at
     waited = scalar(
         conn,
         "SELECT extract(epoch FROM max(started) - min(started)) FROM batch_calls"
-        " WHERE msgs = ARRAY['later']",
+        " WHERE 'later' = ANY (msgs)",
     )
-    assert waited >= RETRY_LATER_DELAY  # called alone twice: raised, then after its delay
+    # Its first call (in its batch) to its last (alone or with others): the delay in between.
+    assert waited >= RETRY_LATER_DELAY
     labels = {"handler": "RetriedBatch", "transport": "postgres"}
     outcomes = {
         outcome: metric(text, "dedupworker_messages_total", outcome=outcome, **labels)
