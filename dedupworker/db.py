@@ -232,6 +232,17 @@ def give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -
     pool.putconn(conn)
 
 
+def give_back_rolled_back(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:
+    """Roll back what `conn` holds (a claim made ahead) and return it to the pool; broken,
+    returned all the same."""
+    try:
+        conn.execute("ROLLBACK")
+    except BaseException:
+        give_back_broken(pool, conn)
+        raise
+    pool.putconn(conn)
+
+
 def fetch_flag(cursor: Rows) -> bool:
     """The boolean in the first column of the cursor's next row (False when there is none)."""
     row = cursor.fetchone()

@@ -298,21 +298,22 @@ SESSION_JOB_UNLOCK = (
 # lock is tried in the WHERE clause, on ready rows only): jobs of entities held elsewhere are
 # passed over, never claimed to be requeued, and the jobs of one entity that this transaction
 # locked all come along, in their order (a transaction takes its own lock again).
-_BATCH_CLAIM = """
+# (`{taken}`: which jobs the claim may take; the job's own key is tried on those only.)
+_BATCH_CLAIMED = """
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity
 FROM dedupworker.jobs
 WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
   AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
-      CASE WHEN entity IS NULL OR {lock} THEN {job_key} ELSE false END
+      CASE WHEN entity IS NULL OR {taken} THEN {job_key} ELSE false END
   END
 ORDER BY run_at, id
 LIMIT %s
 FOR UPDATE SKIP LOCKED
 """
+_JOB_KEY_TRIED = f"pg_try_advisory_xact_lock({JOB_KEY})"
 BATCH_CLAIM = {
-    mode: _BATCH_CLAIM.format(lock=lock, job_key=f"pg_try_advisory_xact_lock({JOB_KEY})")
-    for mode, lock in _LOCKS.items()
+    mode: _BATCH_CLAIMED.format(taken=lock, job_key=_JOB_KEY_TRIED) for mode, lock in _LOCKS.items()
 }
 
 # The same for hot entities (few entities, many jobs each), which a batch engine's thread
@@ -338,20 +339,10 @@ WITH head AS (
     WHERE {lock}
     LIMIT (SELECT n FROM share)
 )
-SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity
-FROM dedupworker.jobs
-WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-  AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
-      CASE WHEN entity IS NULL OR entity IN (SELECT entity FROM mine) THEN {job_key}
-      ELSE false END
-  END
-ORDER BY run_at, id
-LIMIT %s
-FOR UPDATE SKIP LOCKED
 """
 BATCH_CLAIM_SHARED = {
-    mode: _BATCH_CLAIM_SHARED.format(lock=lock, job_key=f"pg_try_advisory_xact_lock({JOB_KEY})")
+    mode: _BATCH_CLAIM_SHARED.format(lock=lock)
+    + _BATCH_CLAIMED.format(taken="entity IN (SELECT entity FROM mine)", job_key=_JOB_KEY_TRIED)
     for mode, lock in _LOCKS.items()
 }
 # The claim's WHERE clause takes locks: it must be evaluated row by row along the ready index,

@@ -26,7 +26,7 @@ from psycopg_pool import ConnectionPool
 
 from ... import sql
 from ...batches.sources import SAVEPOINT, BatchCall, Keys, Statements, locked
-from ...db import give_back_broken
+from ...db import give_back_broken, give_back_rolled_back
 from ...handler import BatchHandler, Handler
 from ...outcomes import carry_out_many
 from ...transport import Delivery
@@ -202,9 +202,4 @@ class ClaimedBatches:
         back."""
         ahead, self._thread.ahead = self._thread.ahead, None
         if ahead is not None:
-            try:
-                ahead.conn.execute("ROLLBACK")
-            except BaseException:
-                give_back_broken(self.pool, ahead.conn)
-                raise
-            self.pool.putconn(ahead.conn)
+            give_back_rolled_back(self.pool, ahead.conn)

@@ -26,7 +26,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from ... import sql
-from ...db import fetch_flag, give_back_broken
+from ...db import fetch_flag, give_back_broken, give_back_rolled_back
 from ...engine import Call
 from ...handler import Handler
 from ...keys import LockKey
@@ -192,12 +192,7 @@ class ClaimedTransactions:
         """Roll back the claim this thread made ahead, if any, and give its connection back."""
         ahead, self._thread.ahead = self._thread.ahead, None
         if ahead is not None:
-            try:
-                ahead.conn.execute("ROLLBACK")
-            except BaseException:
-                give_back_broken(self.pool, ahead.conn)
-                raise
-            self.pool.putconn(ahead.conn)
+            give_back_rolled_back(self.pool, ahead.conn)
 
     def _start(
         self, conn: psycopg.Connection[Any], *, skip: bool = True, rollback: bool = False
