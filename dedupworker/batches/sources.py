@@ -139,7 +139,7 @@ class Statements:
         if call.savepoint is None:
             batch.execute(SAVEPOINT)
             call.savepoint = "clean"
-        seen = batch.execute(sql.BATCH_SEEN, (self.scope, dedup_keys)) if dedup_keys else None
+        seen = batch.execute(sql.BATCH_SEEN, (dedup_keys, self.scope)) if dedup_keys else None
         return refused, seen
 
     def end(self, batch: Batch, call: BatchCall) -> None:

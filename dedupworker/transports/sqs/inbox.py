@@ -114,6 +114,15 @@ class _Inbox:
             self._advance(_receipt(delivery).group)
             self.cond.notify_all()
 
+    def deleting(self, deliveries: list[Delivery]) -> None:
+        """Settled for good, deleted by the caller itself (a batch): FIFO: their groups' next
+        may start. Kept (visibility and all) until `forget`."""
+        with self.cond:
+            for delivery in deliveries:
+                self._settle(delivery)
+                self._advance(_receipt(delivery).group)
+            self.cond.notify_all()
+
     def hold(self, delivery: Delivery, delay: float) -> None:
         """Keep it here (visible to nobody else) and start it again after `delay` seconds."""
         with self.cond:

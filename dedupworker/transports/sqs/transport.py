@@ -17,6 +17,8 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -25,7 +27,7 @@ from ... import metrics
 from ...config import WorkerConfig
 from ...errors import ConfigurationError
 from ...message import Message
-from ...transport import Delivery
+from ...transport import Delivery, Settlements
 from .attributes import (
     MAX_ATTRIBUTES,
     REASON,
@@ -115,6 +117,37 @@ class SqsTransport:
 
     def ack(self, delivery: Delivery, conn: Any) -> None:
         self._inbox.delete(delivery)
+
+    def settle_many(self, settlements: Settlements, conn: Any) -> None:
+        """A batch's outcomes (transport.SettlesMany, the batch engine): its acknowledged
+        messages deleted from the calling thread, ten per request, so that deletes keep pace
+        with receives (one keeper thread deleting for every handler thread falls behind);
+        the others one by one. Each is carried out whatever an earlier one raised."""
+        failed: Exception | None = None
+        self._inbox.deleting(settlements.acks)
+        for chunk in _chunks(settlements.acks):
+            self._delete(chunk)
+        others: list[Callable[[], None]] = [
+            *(
+                partial(self.requeue, d, delay, None, contended=True)
+                for d, delay in settlements.contended
+            ),
+            *(
+                partial(self.requeue, d, delay, None, contended=False, error=error)
+                for d, delay, error in settlements.retried
+            ),
+            *(
+                partial(self.dead_letter, d, reason, None, traceback=trace)
+                for d, reason, trace in settlements.dead
+            ),
+        ]
+        for action in others:
+            try:
+                action()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def requeue(
         self, delivery: Delivery, delay: float, conn: Any, *, contended: bool, error: str = ""
