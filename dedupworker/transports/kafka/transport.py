@@ -65,6 +65,10 @@ CLOSE_WAIT = 1.0
 # long one such check may take before it counts as "not yet".
 DRAIN_CHECK_INTERVAL = 0.5
 DRAIN_CHECK_TIMEOUT = 2.0
+# --drain: seconds from start during which a worker with no partition assigned yet does not ask
+# (the check blocks the consumer thread, whose polls are what completes the group join); after
+# that a member left without partitions asks all the same.
+DRAIN_ASSIGN_GRACE = 5.0
 RESET_TO_END = {"latest", "largest", "end"}
 
 
@@ -87,7 +91,8 @@ class KafkaTransport:
         # --drain: set by the consumer thread once the group has consumed the whole topic,
         # cleared whenever a message arrives.
         self._topic_consumed = threading.Event()
-        self._next_drain_check = 0.0
+        self._next_drain_check = time.monotonic()
+        self._no_assignment_until = time.monotonic() + DRAIN_ASSIGN_GRACE
         reset = str(consumer_settings.get("auto.offset.reset", "earliest")).lower()
         self._reset_offset = OFFSET_END if reset in RESET_TO_END else OFFSET_BEGINNING
         self._probe = _EndProbe({**consumer_settings, **PROBE_SETTINGS})
@@ -244,6 +249,8 @@ class KafkaTransport:
         now = time.monotonic()
         if self._topic_consumed.is_set() or now < self._next_drain_check:
             return
+        if not self._buffer.assigned and now < self._no_assignment_until:
+            return
         self._next_drain_check = now + DRAIN_CHECK_INTERVAL
         if not self._buffer.idle():
             return
@@ -257,6 +264,7 @@ class KafkaTransport:
             return
         if consumed:
             self._topic_consumed.set()
+            self._buffer.wake_all()  # idle handler threads: the drain check at once
 
     def _group_at_end(self) -> bool:
         """Every partition of the topic has nothing at or after the group's committed offset."""
