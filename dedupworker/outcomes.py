@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import Reject, RetryLater
+from .keys import normalize_entity
 from .transport import Settlements, SettlesMany
 
 if TYPE_CHECKING:
+    from .handler import Handler
+    from .message import Message
     from .transport import Delivery, Transport
     from .wire import Executor
 
@@ -101,6 +104,16 @@ def on_bad_entity(exc: Exception) -> Verdict:
         reason=f"entity_id() failed, the message is malformed: {describe_error(exc)}",
         error=exc,
     )
+
+
+def identify(handler: Handler, message: Message) -> tuple[int | str, str | None] | Verdict:
+    """A message's entity (normalized: `7` and `"7"` are one) and its ledger key, or, when
+    `entity_id()` or `dedup_key()` raised or gave something unusable, its verdict: every
+    engine's first step."""
+    try:
+        return normalize_entity(handler.entity_id(message)), handler.dedup_key(message)
+    except Exception as exc:
+        return on_bad_entity(exc)
 
 
 def on_contended(handler: Policy, delivery: Delivery) -> Verdict:

@@ -24,8 +24,8 @@ from psycopg_pool import ConnectionPool
 from .engine import Call, Transactions
 from .errors import ConfigurationError
 from .handler import Handler
-from .keys import lock_key, normalize_entity
-from .outcomes import DUPLICATE, Verdict, on_bad_entity, on_contended, on_failure, on_success
+from .keys import lock_key
+from .outcomes import DUPLICATE, Verdict, identify, on_contended, on_failure, on_success
 from .received import ReceivedTransactions
 from .recording import Recorder
 from .transport import OpensTransactions, Receives, Transport
@@ -88,11 +88,10 @@ class Runner:
     def _decide(self, call: Call) -> Verdict:
         """Entity, local turn, lock and ledger look-up, then the handler call: the verdict."""
         handler, delivery = self.handler, call.delivery
-        try:
-            entity = normalize_entity(handler.entity_id(delivery.message))
-            dedup_key = handler.dedup_key(delivery.message)
-        except Exception as exc:
-            return on_bad_entity(exc)
+        found = identify(handler, delivery.message)
+        if isinstance(found, Verdict):
+            return found
+        entity, dedup_key = found
         call.entity = entity
         ours = self.transactions.prelocked(call, entity)
         if ours is False:

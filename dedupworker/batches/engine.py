@@ -23,8 +23,8 @@ from psycopg_pool import ConnectionPool
 from .. import metrics
 from ..errors import ConfigurationError
 from ..handler import BatchHandler
-from ..keys import INT4_MAX, INT4_MIN, normalize_entity
-from ..outcomes import DUPLICATE, Outcome, on_bad_entity, on_contended, on_failure, on_success
+from ..keys import INT4_MAX, INT4_MIN
+from ..outcomes import DUPLICATE, Outcome, Verdict, identify, on_contended, on_failure, on_success
 from ..recording import Recorder
 from ..runner import check_transaction
 from ..transport import ClaimsBatches, Receives, Transport
@@ -124,13 +124,11 @@ class BatchEngine:
         dedup_keys: list[str] = []
         prelocked, int4 = self.source.prelocked, self._mode == "int4"
         for i, delivery in enumerate(call.deliveries):
-            message = delivery.message
-            try:
-                entity = normalize_entity(handler.entity_id(message))
-                dedup_key = handler.dedup_key(message)
-            except Exception as exc:
-                verdicts[i] = on_bad_entity(exc)
+            found = identify(handler, delivery.message)
+            if isinstance(found, Verdict):
+                verdicts[i] = found
                 continue
+            entity, dedup_key = found
             entities[i] = entity
             group = by_entity.get(entity)
             if group is not None:

@@ -67,6 +67,12 @@ class BatchCall:
         # rollback): no savepoint is left to fall back to, nothing more is called.
         self.ended: Exception | None = None
 
+    def decided(self) -> list[Verdict]:
+        """Every message's verdict, once the engine decided them all."""
+        verdicts = [v for v in self.verdicts if v is not None]
+        assert len(verdicts) == len(self.deliveries), "a message of the batch has no verdict"
+        return verdicts
+
 
 class Keys:
     """A batch's distinct entities that are still to lock, as the lock statement takes them
@@ -219,8 +225,7 @@ class ReceivedBatches:
             end.run()
         call.conn = None
         self.pool.putconn(conn)
-        verdicts = [v for v in call.verdicts if v is not None]
-        assert len(verdicts) == len(call.deliveries)
+        verdicts = call.decided()
         carry_out_many(self.transport, call.deliveries, verdicts, None)
 
     def abandon(self, call: BatchCall) -> None:

@@ -45,12 +45,12 @@ from ..db import retryable
 from ..engine import Call, Host
 from ..errors import DatabaseUnavailable
 from ..handler import Handler
-from ..keys import SessionKey, normalize_entity, session_key
+from ..keys import SessionKey, session_key
 from ..outcomes import (
     DUPLICATE,
     Outcome,
     Verdict,
-    on_bad_entity,
+    identify,
     on_contended,
     on_failure,
     on_success,
@@ -392,11 +392,10 @@ class SessionEngine:
     async def _decide(self, call: SessionCall) -> Verdict:
         """Entity, local turn, lock and guard, ledger look-up, then the handler: the verdict."""
         handler, delivery = self.handler, call.delivery
-        try:
-            entity = normalize_entity(handler.entity_id(delivery.message))
-            dedup_key = handler.dedup_key(delivery.message)
-        except Exception as exc:
-            return on_bad_entity(exc)
+        found = identify(handler, delivery.message)
+        if isinstance(found, Verdict):
+            return found
+        entity, dedup_key = found
         call.entity = entity
         call.key = session_key(handler.lock_namespace, entity, handler.lock_key_mode)
         await self._take_turn(call, call.key)

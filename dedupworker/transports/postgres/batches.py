@@ -172,8 +172,7 @@ class ClaimedBatches:
             self._thread.crowded_until = time.monotonic() + CROWDED_FOR
         settle = Batch(conn)
         self.statements.end(settle, call)
-        verdicts = [v for v in call.verdicts if v is not None]
-        assert len(verdicts) == len(call.deliveries)
+        verdicts = call.decided()
         carry_out_many(self.queue, call.deliveries, verdicts, settle)
         if self._after_settle:
             settle.run()
