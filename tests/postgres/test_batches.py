@@ -183,9 +183,10 @@ def test_poison_messages_are_found_by_halving_and_the_rest_of_their_batches_succ
     assert left(conn) == 0
     done = calls(conn)
     for msg in poison:
-        # Called with others first (the batch failed), then found alone.
-        assert any(msg in call.msgs and len(call.msgs) > 1 and call.raised for call in done)
-        assert any(call.msgs == [msg] and call.raised for call in done)
+        assert any(call.msgs == [msg] and call.raised for call in done)  # found alone at last
+    # Some poison came with batch-mates (which one depends on the claims' timing: a poison job
+    # requeued behind its entity's lock may come back alone), and its batch failed.
+    assert any(set(call.msgs) & set(poison) and len(call.msgs) > 1 and call.raised for call in done)
     # The search: calls on part of a failed batch that succeeded and were kept.
     failed = [set(call.jobs) for call in done if call.raised and len(call.jobs) > 1]
     kept = [set(call.jobs) for call in done if not call.raised]
