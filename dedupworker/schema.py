@@ -84,6 +84,53 @@ CREATE INDEX jobs_webhook_endpoint_idx ON dedupworker.jobs ((headers ->> 'webhoo
     WHERE status = 'ready' AND headers ? 'webhook_endpoint';
 """
 
+# What the operator console (dedupworker/console/, docs/console.md) and the workers share:
+# paused queues (workers stop claiming from them), the audit of operators' actions, each
+# worker's heartbeat with its hot entities, and per-minute outcome counts per queue.
+_CONSOLE = """
+CREATE TABLE dedupworker.queue_pauses (
+    queue     text        PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    paused_by text        NOT NULL,
+    reason    text
+);
+CREATE TABLE dedupworker.audit (
+    id     bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    actor  text        NOT NULL,
+    action text        NOT NULL,
+    target text        NOT NULL,
+    count  integer     NOT NULL,
+    detail jsonb       NOT NULL DEFAULT '{}'
+);
+CREATE INDEX audit_at_idx ON dedupworker.audit (at);
+CREATE TABLE dedupworker.workers (
+    id         text        PRIMARY KEY,
+    host       text        NOT NULL,
+    pid        integer     NOT NULL,
+    handlers   text        NOT NULL,
+    transport  text        NOT NULL,
+    queues     text[]      NOT NULL,
+    started_at timestamptz NOT NULL,
+    seen_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    paused     text[]      NOT NULL DEFAULT '{}',
+    hot        jsonb       NOT NULL DEFAULT '[]'
+);
+COMMENT ON COLUMN dedupworker.workers.hot IS
+    'the worker''s most contended entities: [{"handler", "entity", "score"}], score decaying';
+CREATE INDEX workers_seen_idx ON dedupworker.workers (seen_at);
+CREATE TABLE dedupworker.throughput (
+    transport text        NOT NULL,
+    queue     text        NOT NULL,
+    minute    timestamptz NOT NULL,
+    outcome   text        NOT NULL,
+    count     bigint      NOT NULL,
+    PRIMARY KEY (transport, queue, minute, outcome)
+);
+CREATE INDEX throughput_minute_idx ON dedupworker.throughput (minute);
+CREATE INDEX jobs_dead_entity_idx ON dedupworker.jobs (entity) WHERE status = 'dead';
+"""
+
 # Append only: a released version's migration never changes (see docs/migrations.md).
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "jobs table", _JOBS),
@@ -108,6 +155,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         " COMMENT ON COLUMN dedupworker.jobs.last_traceback IS"
         " 'the bounded traceback of what raised when the job was dead-lettered (NULL: none)'",
     ),
+    (7, "queue pauses, audit, worker heartbeats, throughput", _CONSOLE),
 )
 
 
