@@ -89,6 +89,11 @@ KAFKA_LAG = Gauge(
     "minus its first unfinished offset (what a restart would re-deliver from).",
     ["topic", "partition"],
 )
+QUEUE_PAUSED = Gauge(
+    "dedupworker_queue_paused",
+    "1 while the queue is paused (`dedupworker pause`, the console): its workers claim nothing.",
+    ["transport", "queue"],
+)
 QUEUE_DEPTH = Gauge(
     "dedupworker_queue_depth",
     "Messages in the transport's queue by state (postgres: ready, delayed, dead; sqs: "

@@ -154,6 +154,21 @@ class Wakes(Protocol):
 
 
 @runtime_checkable
+class Pauses(Protocol):
+    """Stops claiming from its queue while it is paused (`dedupworker pause`); the worker's
+    reporter reads the pauses every second (dedupworker.reporting)."""
+
+    queue: str
+
+    @property
+    def paused(self) -> str | None:
+        """Who paused the queue (None: not paused)."""
+
+    def pause(self, pause: tuple[str, str | None] | None) -> None:
+        """The queue's pause as last read: (paused_by, reason), or None."""
+
+
+@runtime_checkable
 class ReportsDepth(Protocol):
     """Sets the queue-depth gauge when the worker asks (every DEPTH_INTERVAL seconds)."""
 

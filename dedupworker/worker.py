@@ -29,6 +29,7 @@ from .engine import Engine, Serves
 from .errors import ConfigurationError
 from .handler import BatchHandler, Handler
 from .http import serve
+from .reporting import Reporter
 from .runner import Runner
 from .schema import check_schema
 from .sessions import SessionEngine
@@ -81,6 +82,7 @@ class Worker:
         self._next_hot_log = time.monotonic() + HOT_LOG_INTERVAL
         self.http: ThreadingHTTPServer | None = None
         self._engine_failed = False
+        self.reporter: Reporter | None = None
 
     def queue_for(self, handler: Handler) -> str:
         queue = getattr(handler, "queue", None)
@@ -110,6 +112,8 @@ class Worker:
                 self._wakes.append(transport)
             if isinstance(transport, ReportsDepth):
                 self._depths.append(transport)
+        queues = [self.queue_for(handler) for handler in self.handlers]
+        self.reporter = Reporter(self._pool, self.runners, self.config.transport, queues)
         if self.observing:
             metrics.POOLS.add(self._pool)
             info = (__version__, self.config.transport, str(self.config.concurrency))
@@ -210,6 +214,8 @@ class Worker:
                 self.config.metrics_port, self.is_healthy, self.is_ready, self.hot_entities
             )
         log.info("dedupworker %s started: %s", __version__, self._describe())
+        if self.reporter is not None:
+            self.reporter.tick()  # a paused queue is not claimed from, even at start
         with _on_stop(self.stop):
             threads = [thread for runner in self.runners for thread in self._threads_of(runner)]
             self._threads = threads
@@ -322,6 +328,8 @@ class Worker:
     def close(self, wait: bool = True) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+        if self.reporter is not None:
+            self.reporter.gone()
         for runner in self.runners:
             if isinstance(runner, Serves):
                 runner.close()
@@ -372,8 +380,11 @@ class Worker:
             self.idle(runner)
 
     def _housekeeping(self) -> None:
-        """From the main thread: queue depth every 15 s, hot entities in the log every 60 s."""
+        """From the main thread: pauses read every second and the heartbeat written every 5 s
+        (dedupworker.reporting), queue depth every 15 s, hot entities in the log every 60 s."""
         now = time.monotonic()
+        if self.reporter is not None:
+            self.reporter.tick(now)
         if self.observing and now >= self._next_depth:
             self._next_depth = now + DEPTH_INTERVAL
             for transport in self._depths:

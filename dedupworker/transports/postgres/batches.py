@@ -93,7 +93,11 @@ class ClaimedBatches:
         self._after_settle = type(handler).after_settle is not Handler.after_settle
 
     def start(self, size: int) -> BatchCall | None:
-        """The batch claimed ahead by this thread's last COMMIT, or one claimed now."""
+        """The batch claimed ahead by this thread's last COMMIT, or one claimed now; nothing
+        while the queue is paused (a batch claimed ahead goes back)."""
+        if self.queue.paused is not None:
+            self.release()
+            return None
         ahead, self._thread.ahead = self._thread.ahead, None
         if ahead is None:
             conn, chain = self.pool.getconn(), 0
@@ -178,7 +182,8 @@ class ClaimedBatches:
             settle.run()
             for delivery, verdict in zip(call.deliveries, verdicts, strict=True):
                 self.handler.after_settle(delivery.message, verdict.outcome, conn)
-        if not ahead or call.chain >= AHEAD_CHAIN or call.ended is not None:
+        last = call.chain >= AHEAD_CHAIN or call.ended is not None
+        if not ahead or last or self.queue.paused is not None:
             settle.execute("COMMIT")
             settle.run()
             call.conn = None

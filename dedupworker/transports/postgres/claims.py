@@ -101,7 +101,11 @@ class ClaimedTransactions:
         self._thread = _Thread()
 
     def start(self) -> Claimed | None:
-        """The job claimed ahead by this thread's last COMMIT, or one claimed now."""
+        """The job claimed ahead by this thread's last COMMIT, or one claimed now; nothing
+        while the queue is paused (a job claimed ahead goes back)."""
+        if self.queue.paused is not None:
+            self.release()
+            return None
         ahead, self._thread.ahead = self._thread.ahead, None
         conn, claim, chain = (self.pool.getconn(), None, 0) if ahead is None else ahead
         try:
@@ -170,7 +174,7 @@ class ClaimedTransactions:
             settle.run()
             self.handler.after_settle(call.delivery.message, verdict.outcome, conn)
         next_claim = None
-        if ahead and call.chain < AHEAD_CHAIN:
+        if ahead and call.chain < AHEAD_CHAIN and self.queue.paused is None:
             settle.execute("COMMIT AND CHAIN")
             settle.tail()  # the next claim: its errors are its own, not this message's
             next_claim = self._claim(settle)

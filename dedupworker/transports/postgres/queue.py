@@ -48,6 +48,8 @@ class PostgresTransport:
         self.pool = pool
         self._wakeup = threading.Condition()
         self._closed = threading.Event()
+        self._paused: str | None = None  # who paused the queue (transport.Pauses)
+        self._paused_gauge = metrics.QUEUE_PAUSED.labels(self.name, self.queue)
         self._listener: threading.Thread | None = None
         if not config.pgbouncer:
             # A transaction pooler accepts LISTEN and never delivers: poll only behind one.
@@ -75,6 +77,32 @@ class PostgresTransport:
         from .batches import ClaimedBatches
 
         return ClaimedBatches(self, handler, pool, threads)
+
+    @property
+    def paused(self) -> str | None:
+        """Who paused this queue (None: it is not): the engines' sources claim nothing then."""
+        return self._paused
+
+    def pause(self, pause: tuple[str, str | None] | None) -> None:
+        """The queue's pause as the worker's reporter last read it (transport.Pauses)."""
+        by = None if pause is None else pause[0]
+        if by == self._paused:
+            return
+        if pause is not None:
+            reason = f" ({pause[1]})" if pause[1] else ""
+            log.warning(
+                "queue %r paused by %s%s: claiming nothing until it is resumed "
+                "(`dedupworker resume --queue %s`)",
+                self.queue,
+                by,
+                reason,
+                self.queue,
+            )
+        else:
+            log.info("queue %r resumed: claiming again", self.queue)
+            self.wake_all()
+        self._paused = by
+        self._paused_gauge.set(0 if by is None else 1)
 
     def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
@@ -186,7 +214,12 @@ class PostgresTransport:
             )
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
-        """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout`."""
+        """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout` (while the queue
+        is paused: until it is resumed, or `timeout`)."""
+        if self._paused is not None:
+            with self._wakeup:
+                self._wakeup.wait(timeout)
+            return
         with self.pool.connection() as conn:
             row = conn.execute(sql.SECONDS_UNTIL_NEXT, (self.queue,)).fetchone()
         due = row[0] if row and row[0] is not None else None

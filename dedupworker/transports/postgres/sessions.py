@@ -64,6 +64,8 @@ class SessionClaims:
         """Claim up to `count` jobs on `session`: read candidates and read the claimed jobs
         on a pooled connection, lock them on the session (sql.SESSION_CANDIDATES)."""
         assert session is not None
+        if self.queue.paused is not None:
+            return []
         count = min(count, CLAIM_MAX)
         full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
         one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]

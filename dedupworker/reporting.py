@@ -1,0 +1,186 @@
+"""What a worker tells the database for its operators (the console, `dedupworker queues`).
+
+Run from the worker's main thread (its housekeeping, every 0.2 s), on the pool's spare
+connection (the one kept for the scheduler), never on a handler thread's:
+
+- every PAUSE_INTERVAL, the pauses of its postgres queues (`dedupworker pause`): a paused
+  queue's transport stops claiming, logs it and sets dedupworker_queue_paused;
+- every HEARTBEAT_INTERVAL, its row in dedupworker.workers (seen_at, its hot entities) and its
+  outcome counts since the last heartbeat, added to dedupworker.throughput per queue and minute.
+
+A database that does not answer costs a warning and the next tick tries again; the pauses last
+read stay in force meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from .transport import Pauses
+
+if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
+
+    from .engine import Engine, Serves
+
+log = logging.getLogger("dedupworker")
+
+PAUSE_INTERVAL = 1.0
+HEARTBEAT_INTERVAL = 5.0
+FORGET_AFTER = "1 hour"  # workers not seen and throughput minutes older than this are deleted
+HOT_REPORTED = 10
+POOL_WAIT = 1.0
+
+PAUSES = "SELECT queue, paused_by, reason FROM dedupworker.queue_pauses WHERE queue = ANY(%s)"
+HEARTBEAT = """
+INSERT INTO dedupworker.workers AS w
+    (id, host, pid, handlers, transport, queues, started_at, paused, hot)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (id) DO UPDATE
+SET seen_at = clock_timestamp(), paused = excluded.paused, hot = excluded.hot
+"""
+THROUGHPUT = """
+INSERT INTO dedupworker.throughput AS t (transport, queue, minute, outcome, count)
+SELECT %s, %s, date_trunc('minute', clock_timestamp()), outcome, count
+FROM unnest(%s::text[], %s::bigint[]) AS u(outcome, count)
+ON CONFLICT (transport, queue, minute, outcome) DO UPDATE SET count = t.count + excluded.count
+"""
+FORGET = (
+    "DELETE FROM dedupworker.workers"
+    f" WHERE seen_at < clock_timestamp() - interval '{FORGET_AFTER}'",
+    "DELETE FROM dedupworker.throughput"
+    f" WHERE minute < clock_timestamp() - interval '{FORGET_AFTER}'",
+)
+GONE = "DELETE FROM dedupworker.workers WHERE id = %s"
+
+
+class Reporter:
+    """One worker's heartbeat, hot entities, throughput and pauses (see the module's doc)."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool[Any],
+        runners: Sequence[Engine | Serves],
+        transport: str,
+        queues: Sequence[str],
+    ) -> None:
+        self.pool = pool
+        self.runners = runners
+        self.transport = transport
+        self.runner_queues = list(queues)  # each runner's queue (topic, SQS queue)
+        self.queues = list(dict.fromkeys(queues))
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        started = datetime.now(UTC)
+        self.started = started
+        self.id = f"{self.host}/{self.pid}/{started:%Y%m%dT%H%M%S}"
+        self.handlers = ",".join(runner.handler.name for runner in runners)
+        self._pausable = [r.transport for r in runners if isinstance(r.transport, Pauses)]
+        self._reported: dict[str, collections.Counter[str]] = {}
+        self._next_pause = 0.0
+        self._next_heartbeat = 0.0
+        self._next_forget = 0.0
+        self._failing = False
+
+    def tick(self, now: float | None = None) -> None:
+        """Do what is due; never raises (a failure is logged once until the next success)."""
+        now = time.monotonic() if now is None else now
+        pauses = bool(self._pausable) and now >= self._next_pause
+        heartbeat = now >= self._next_heartbeat
+        if not (pauses or heartbeat):
+            return
+        try:
+            with self.pool.connection(timeout=POOL_WAIT) as conn:
+                if pauses:
+                    self._next_pause = now + PAUSE_INTERVAL
+                    self._read_pauses(conn)
+                if heartbeat:
+                    self._next_heartbeat = now + HEARTBEAT_INTERVAL
+                    self._heartbeat(conn, now)
+        except Exception as exc:
+            if not self._failing:
+                log.warning(
+                    "could not report to the database (%s: %s); pauses as last read stay in "
+                    "force, trying again every %gs",
+                    type(exc).__name__,
+                    exc,
+                    PAUSE_INTERVAL,
+                )
+            self._failing = True
+            return
+        if self._failing:
+            log.info("reporting to the database again")
+        self._failing = False
+
+    def gone(self) -> None:
+        """The worker stops: its row goes (best effort; an hour without heartbeats does too)."""
+        try:
+            with self.pool.connection(timeout=POOL_WAIT) as conn:
+                conn.execute(GONE, (self.id,))
+        except Exception as exc:
+            log.debug("could not delete the worker's row: %s", exc)
+
+    def _read_pauses(self, conn: psycopg.Connection[Any]) -> None:
+        queues = [transport.queue for transport in self._pausable]
+        rows = conn.execute(PAUSES, (queues,)).fetchall()
+        paused = {queue: (by, reason) for queue, by, reason in rows}
+        for transport in self._pausable:
+            transport.pause(paused.get(transport.queue))
+
+    def _heartbeat(self, conn: psycopg.Connection[Any], now: float) -> None:
+        paused = [t.queue for t in self._pausable if t.paused is not None]
+        hot = [
+            {"handler": runner.handler.name, "entity": entity, "score": score}
+            for runner in self.runners
+            for entity, score in runner.hot.top(HOT_REPORTED)
+        ]
+        conn.execute(
+            HEARTBEAT,
+            (
+                self.id,
+                self.host,
+                self.pid,
+                self.handlers,
+                self.transport,
+                self.queues,
+                self.started,
+                paused,
+                json.dumps(hot),
+            ),
+        )
+        for queue, counts in self._unreported().items():
+            outcomes = sorted(counts)
+            conn.execute(
+                THROUGHPUT, (self.transport, queue, outcomes, [counts[o] for o in outcomes])
+            )
+        if now >= self._next_forget:
+            self._next_forget = now + 60.0
+            for statement in FORGET:
+                conn.execute(statement)
+
+    def _unreported(self) -> dict[str, collections.Counter[str]]:
+        """Each queue's outcome counts since the last heartbeat (taken as reported now: a
+        heartbeat that fails loses them from the throughput figures, never a message)."""
+        totals: dict[str, collections.Counter[str]] = {}
+        for runner, queue in zip(self.runners, self.runner_queues, strict=True):
+            # dict.copy: one step under the GIL, while handler threads count
+            totals.setdefault(queue, collections.Counter()).update(dict.copy(runner.stats))
+        changes = {}
+        for queue, total in totals.items():
+            before = self._reported.get(queue, collections.Counter())
+            delta = collections.Counter(
+                {k: v - before.get(k, 0) for k, v in total.items() if v > before.get(k, 0)}
+            )
+            self._reported[queue] = total
+            if delta:
+                changes[queue] = delta
+        return changes
