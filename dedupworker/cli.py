@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_resume(sub)
     _add_queues(sub)
     _add_demo(sub)
-    # console: add_console(sub)
+    from .console.cli import add_console  # imports no web framework: the core needs none
+
+    add_console(sub)
     return parser
 
 
