@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dedupworker.console")
 actions = flask.Blueprint("actions", __name__)
 
+REASON_LIMIT = 500  # characters of a pause's reason
 ACTIONS = {"requeue": ("Requeue", "Requeued"), "discard": ("Discard", "Discarded")}
 
 
@@ -76,7 +77,7 @@ def _to_queues() -> Response:
 
 @actions.post("/queues/<path:queue>/pause")
 def pause(queue: str) -> Response:
-    reason = flask.request.form.get("reason", "").strip() or None
+    reason = flask.request.form.get("reason", "").strip()[:REASON_LIMIT] or None
     with connection() as conn:
         done = admin.pause_queue(conn, queue, _actor(), reason)
     tell(f"Paused queue {queue}" if done else f"Queue {queue} was already paused")

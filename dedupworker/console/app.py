@@ -8,6 +8,8 @@ serve(app, host, port)   serve it until interrupted
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from datetime import UTC, datetime
 
 import flask
@@ -22,6 +24,7 @@ from .render import EXTENSION, Console, Database, Redactor, current, nonce, page
 
 log = logging.getLogger("dedupworker.console")
 
+FORM_LIMIT = 256 * 1024  # bytes of a form (500 ids and a search fit many times over)
 SPARKS = "▁▂▃▄▅▆▇█"
 # Nothing but this page's own inline style and script, no framing, forms posting only here.
 CSP = (
@@ -35,6 +38,7 @@ def create_app(
 ) -> flask.Flask:
     """The console over the workers' database `dsn`; read-only when `token` is None."""
     app = flask.Flask(__name__, template_folder="templates", static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = FORM_LIMIT
     app.extensions[EXTENSION] = Console(
         db=Database(dsn),
         sessions=Sessions(token or None),
@@ -68,11 +72,18 @@ def serve(app: flask.Flask, host: str, port: int) -> None:
         console.db.described,
         mode,
     )
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
     try:
         server.run()
     finally:
         server.close()
         console.db.close()
+        log.info("console stopped")
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # SIGTERM: stop serving, close the pool, exit 0
 
 
 def _load_session() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,9 +144,9 @@ def _number(values: Mapping[str, str], name: str, default: float) -> float:
     try:
         number = float(raw)
     except ValueError:
-        raise BadRequest(f"{name}: {raw!r} is not a number of seconds") from None
-    if not number >= 0:
-        raise BadRequest(f"{name}: {raw!r} must be 0 or more seconds")
+        raise BadRequest(f"{name}: {raw!r} is not a number") from None
+    if not (math.isfinite(number) and number >= 0):
+        raise BadRequest(f"{name}: {raw!r} must be a number, 0 or more")
     return number
 
 

@@ -131,7 +131,7 @@ def page(template: str, status: int = 200, **context: Any) -> flask.Response:
         template,
         session=signed_in,
         read_only=console.sessions.read_only,
-        refresh=console.refresh,
+        refresh=f"{console.refresh:g}",
         database=console.db.described,
         nonce=nonce(),
         notice=notice,

@@ -10,6 +10,10 @@ from __future__ import annotations
 import html
 import http.client
 import re
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -20,6 +24,7 @@ import pytest
 from dedupworker import admin
 from dedupworker.producer import enqueue
 from dedupworker.webhooks.endpoints import add_endpoint
+from tests.conftest import ROOT, clean_env, cli
 from tests.console.conftest import Console, StartConsole
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
@@ -302,3 +307,107 @@ def test_a_database_that_is_down_gives_a_503_without_traceback_or_password(
     assert acting.status == 503
     assert "hunter2" not in console.log_text()
     assert "Traceback" not in console.log_text()
+
+
+def test_the_locks_page_shows_a_held_lock_its_holder_age_and_waiter(
+    start_console: StartConsole, dsn: str
+) -> None:
+    with psycopg.connect(dsn, application_name="billing-run") as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(30, 4242)")
+        waiter = threading.Thread(target=_wait_for_lock, args=(dsn,))
+        waiter.start()
+        try:
+            _until_waiting(holder)
+            client = Client(start_console(dsn))
+            page = client.get("/locks?older_than=0")
+        finally:
+            holder.rollback()
+            waiter.join(timeout=30)
+    rows = re.findall(
+        r'<tr class="lock( old)?" data-namespace="30" data-key="4242".*?</tr>', page.text, re.S
+    )
+    assert page.status == 200 and len(rows) == 2
+    held = re.search(
+        r'data-namespace="30" data-key="4242" data-kind="entity" data-state="held">(.*?)</tr>',
+        page.text,
+        re.S,
+    )
+    assert held, page.text
+    assert 'class="entity">30:4242<' in held[1]
+    assert re.search(r'class="holder">billing-run, backend \d+<', held[1])
+    assert 'class="waiters num">1<' in held[1]
+    assert '<meta http-equiv="refresh" content="5">' in page.text
+    # older than the threshold of 0 s: highlighted; not so with the default of 60 s
+    assert '<tr class="lock old" data-namespace="30" data-key="4242"' in page.text
+    assert 'class="lock old"' not in client.get("/locks").text
+
+
+def _wait_for_lock(dsn: str) -> None:
+    with psycopg.connect(dsn, application_name="second-run") as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(30, 4242)")
+
+
+def _until_waiting(conn: psycopg.Connection[Any]) -> None:
+    """Until the second session waits for the lock (it blocks on it: no other end to wait for)."""
+    with psycopg.connect(conn.info.dsn, autocommit=True) as watcher:
+        while not watcher.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)"
+        ).fetchone()[0]:
+            time.sleep(0.05)
+
+
+def test_a_bad_search_says_what_to_write(start_console: StartConsole, dsn: str) -> None:
+    client = Client(start_console(dsn))
+    assert client.get("/").status == 302
+    reply = client.get("/dead?since=yesterday")
+    assert reply.status == 400
+    assert (
+        "since: &#39;yesterday&#39; is not an ISO 8601 time; write it as 2024-05-01T12:00"
+        in reply.text
+    )
+    assert client.get("/dead?since=2024-05-01T12:00&until=2024-05-01T13:00%2B02:00").status == 200
+    assert client.get("/locks?older_than=-1").status == 400
+    assert client.get("/dead?offset=inf").status == 400
+
+
+def test_the_console_command_without_its_extra_says_how_to_install_it(dsn: str) -> None:
+    blocked = (
+        "import sys; sys.modules['flask'] = None; from dedupworker.cli import main; "
+        f"sys.exit(main(['console', '--dsn', {dsn!r}]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "the console needs its extra: pip install 'dedupworker[console]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_console_command_refuses_bad_options_clearly() -> None:
+    no_dsn = cli("console")
+    assert no_dsn.returncode == 2
+    assert "no database given: pass --dsn or set DEDUPWORKER_DSN" in no_dsn.stderr
+    bad_port = cli("console", "--dsn", "postgresql://u:pw-x@127.0.0.1/db", "--port", "70000")
+    assert bad_port.returncode == 2 and "--port 70000" in bad_port.stderr
+    assert "pw-x" not in bad_port.stderr
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dedupworker.cli import build_parser; "
+            "build_parser(); print('flask' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+        timeout=60,
+        check=True,
+    )
+    assert listed.stdout.strip() == "False"  # the command line never imports the web app
