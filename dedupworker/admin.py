@@ -274,13 +274,23 @@ def _dead_jobs(
     *,
     newest_first: bool,
 ) -> list[DeadJob]:
-    filters, params = _where(search)
-    statement = sql.SEARCH_DEAD.format(filters=filters, order="DESC" if newest_first else "ASC")
-    # A character is at most 4 bytes of UTF-8: enough bytes for BODY_PREVIEW characters.
-    params.update(preview=BODY_PREVIEW * 4, limit=limit, offset=offset)
+    statement, params = dead_statement(search, limit, offset, newest_first=newest_first)
     with _schema_needed():
         rows = conn.execute(statement, params).fetchall()
     return [_dead_job(row) for row in rows]
+
+
+def dead_statement(
+    search: DeadSearch, limit: int, offset: int, *, newest_first: bool
+) -> tuple[str, dict[str, Any]]:
+    """The statement that finds the dead jobs of `search` and its parameters (EXPLAIN it)."""
+    filters, params = _where(search)
+    indexed = search.queue or search.entity or search.reason  # see sql.SEARCH_DEAD_PER_QUEUE
+    form = sql.SEARCH_DEAD if indexed else sql.SEARCH_DEAD_PER_QUEUE
+    statement = form.format(filters=filters, order="DESC" if newest_first else "ASC")
+    # A character is at most 4 bytes of UTF-8: enough bytes for BODY_PREVIEW characters.
+    params.update(preview=BODY_PREVIEW * 4, limit=limit, offset=offset)
+    return statement, params
 
 
 def _dead_job(row: tuple[Any, ...]) -> DeadJob:

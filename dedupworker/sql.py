@@ -496,6 +496,29 @@ WHERE status = 'dead'{filters}
 ORDER BY dead_at {order}, id {order}
 LIMIT %(limit)s OFFSET %(offset)s
 """
+# The same when no queue, entity or reason is given (the dead page's first view, a time range):
+# with no index on dead_at alone, the newest of all would be a scan of every dead job and a
+# sort (32 ms at 100,000). Instead the queues are found by skipping along jobs_dead_idx (one
+# probe each), the newest of each queue read from it backwards, and those merged (2 ms).
+SEARCH_DEAD_PER_QUEUE = """
+WITH RECURSIVE queues AS (
+    (SELECT queue FROM dedupworker.jobs WHERE status = 'dead' ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM dedupworker.jobs j
+            WHERE j.status = 'dead' AND j.queue > q.queue ORDER BY j.queue LIMIT 1)
+    FROM queues q WHERE q.queue IS NOT NULL
+)
+SELECT d.* FROM queues q CROSS JOIN LATERAL (
+    SELECT id, queue, attempts, contentions, dead_at, last_error,
+           substring(body FROM 1 FOR %(preview)s), last_traceback, entity
+    FROM dedupworker.jobs
+    WHERE status = 'dead' AND queue = q.queue{filters}
+    ORDER BY dead_at {order}, id {order}
+    LIMIT %(limit)s + %(offset)s
+) d
+ORDER BY dead_at {order}, id {order}
+LIMIT %(limit)s OFFSET %(offset)s
+"""
 COUNT_DEAD = "SELECT count(*) FROM dedupworker.jobs WHERE status = 'dead'{filters}"
 DEAD_JOB = """
 SELECT id, queue, attempts, contentions, created_at, dead_at, last_error, last_traceback, entity,

@@ -278,21 +278,29 @@ def test_reads_take_no_row_locks(conn: psycopg.Connection[Any]) -> None:
 def test_search_dead_uses_the_dead_indexes(conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         "INSERT INTO dedupworker.jobs (queue, body, status, dead_at, last_error, entity)"
-        " SELECT 'q' || (n % 10), '\\x7b7d', 'dead', clock_timestamp(), 'boom', to_jsonb(n)"
-        " FROM generate_series(1, 20000) n"
+        " SELECT 'q' || (n % 10), '\\x7b7d', 'dead', clock_timestamp() - make_interval(secs => n),"
+        " 'boom', to_jsonb(n) FROM generate_series(1, 20000) n"
     )
     conn.execute("ANALYZE dedupworker.jobs")
-    by_entity = _plan(conn, Search(entity="77"))
-    by_queue = _plan(conn, Search(queue="q7"))
-    assert "jobs_dead_entity_idx" in by_entity, by_entity
-    assert "jobs_dead_idx" in by_queue, by_queue
-    assert "Seq Scan" not in by_entity + by_queue
+    now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    plans = {
+        "entity": _plan(conn, Search(entity="77")),
+        "queue": _plan(conn, Search(queue="q7")),
+        "newest": _plan(conn, Search()),
+        "window": _plan(conn, Search(since=now - timedelta(hours=1))),
+    }
+    assert "jobs_dead_entity_idx" in plans["entity"], plans["entity"]
+    for name in ("queue", "newest", "window"):
+        assert "jobs_dead_idx" in plans[name], plans[name]
+    for plan in plans.values():
+        assert "Seq Scan" not in plan, plan
+    newest = admin.search_dead(conn, Search(), limit=30, offset=10)
+    assert [job.dead_at for job in newest] == sorted((j.dead_at for j in newest), reverse=True)
+    assert newest[0].id == 11  # dead 11 s before the first
 
 
 def _plan(conn: psycopg.Connection[Any], search: admin.DeadSearch) -> str:
-    filters, params = admin._where(search)
-    statement = sql.SEARCH_DEAD.format(filters=filters, order="DESC")
-    params.update(preview=admin.BODY_PREVIEW, limit=100, offset=0)
+    statement, params = admin.dead_statement(search, 100, 0, newest_first=True)
     rows = conn.execute(f"EXPLAIN {statement}", params).fetchall()
     return "\n".join(row[0] for row in rows)
 
