@@ -1,4 +1,4 @@
-"""One no-op handler per engine, for the pause and heartbeat tests (tests/postgres/test_pauses.py)."""
+"""No-op handlers, one per engine, for tests/postgres/test_pauses.py."""
 
 from __future__ import annotations
 
