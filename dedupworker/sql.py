@@ -138,23 +138,6 @@ RETURNING id
 
 NOTIFY = "SELECT pg_notify(%s, %s)"
 
-LIST_DEAD = """
-SELECT id, queue, attempts, contentions, dead_at, last_error,
-       left(convert_from(body, 'UTF8'), %s), last_traceback
-FROM dedupworker.jobs
-WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
-ORDER BY dead_at, id
-LIMIT %s
-"""
-
-REQUEUE_DEAD = """
-UPDATE dedupworker.jobs
-SET status = 'ready', attempts = 0, contentions = 0, run_at = clock_timestamp(), dead_at = NULL
-WHERE status = 'dead' AND (%s::text IS NULL OR queue = %s)
-  AND (%s::bigint[] IS NULL OR id = ANY(%s))
-RETURNING id, queue
-"""
-
 # `dedupworker locks`: advisory locks with their holder's session, the lock's mode, whether the
 # holder is in a transaction, and for a job claim (JOB_NAMESPACE, the id's low 32 bits) the jobs
 # whose id has those bits: ids low + n * 2**32 up to the highest id, found by primary key.
