@@ -157,7 +157,10 @@ def _offset(values: Mapping[str, str]) -> int:
 @pages.get("/dead")
 def dead() -> Response:
     args = flask.request.args
-    search, offset = dead_search(args), _offset(args)
+    try:
+        search, offset = dead_search(args), _offset(args)
+    except BadRequest as exc:  # the form again, saying what to write
+        return page("dead.html", 400, error=exc.description, search=search_args(args), count=0)
     with connection() as conn:
         count = admin.count_dead(conn, search)
         jobs = admin.search_dead(conn, search, limit=DEAD_PAGE, offset=offset)

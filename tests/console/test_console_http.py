@@ -215,7 +215,12 @@ def test_signed_in_actions_need_the_sessions_csrf_token(
     # The same forms with the session's own token act, and are recorded as its actor.
     assert client.post("/queues/default/pause", {"csrf": client.csrf}).status == 303
     assert list(admin.paused_queues(conn)) == ["default"]
-    assert [(e.actor, e.action) for e in admin.audit_log(conn)] == [("console:ada", "pause queue")]
+    assert client.post("/webhooks/shop/enable", {"csrf": client.csrf}).status == 303
+    assert [e.disabled_at for e in admin.webhook_endpoints(conn) or []] == [None]
+    assert [(e.actor, e.action) for e in admin.audit_log(conn)] == [
+        ("console:ada", "enable endpoint"),
+        ("console:ada", "pause queue"),
+    ]
     assert client.post("/logout", {"csrf": client.csrf}).status == 303
     after = client.post("/queues/default/resume", {"csrf": client.csrf})
     assert after.status == 403 and SIGN_IN in after.text
