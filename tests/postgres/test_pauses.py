@@ -31,11 +31,12 @@ def ready(conn: psycopg.Connection[Any], queue: str = "q") -> int:
     return int(row[0])
 
 
-def paused_gauge(worker: Any) -> str:
+def paused_gauge(worker: Any, queue: str = "q") -> str:
     status, text = get(worker, "/metrics")
     assert status == 200
-    lines = [line for line in text.splitlines() if line.startswith("dedupworker_queue_paused{")]
-    assert len(lines) == 1, lines
+    labels = f'dedupworker_queue_paused{{queue="{queue}",transport="postgres"}}'
+    lines = [line for line in text.splitlines() if line.startswith(labels)]
+    assert len(lines) == 1, text
     return lines[0].rsplit(" ", 1)[1]
 
 
