@@ -78,6 +78,9 @@ class LockRow:
     job_id: int | None
     job_queue: str | None
     job_id_low_bits: int | None
+    # The holder's session's age: how long a session lock may have been held at most (a
+    # lock session holds many locks over its life; pg_locks keeps no time a lock was taken).
+    session_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +111,7 @@ def _fetch(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 def _lock_row(row: tuple[Any, ...]) -> LockRow:
     """One row of sql.ADVISORY_LOCKS, decoded."""
     classid, objid, objsubid, granted, pid, app, state, age, query = row[:9]
-    mode, in_transaction, job_ids, job_queues = row[9:]
+    mode, in_transaction, job_ids, job_queues, session_age = row[9:]
     ns, key = decode_pg_locks_key(classid, objid, objsubid)
     holder = holder_of(app, pid)
     claim = claim_of(ns, objid, job_ids, job_queues)
@@ -132,6 +135,7 @@ def _lock_row(row: tuple[Any, ...]) -> LockRow:
         job_id=claim.job_id,
         job_queue=claim.job_queue,
         job_id_low_bits=claim.job_id_low_bits,
+        session_seconds=session_age,
     )
 
 

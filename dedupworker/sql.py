@@ -146,7 +146,8 @@ SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, l.granted, l.pid,
        coalesce(a.application_name, ''), coalesce(a.state, ''),
        extract(epoch FROM clock_timestamp() - a.xact_start)::float8,
        coalesce(left(btrim(regexp_replace(a.query, '\\s+', ' ', 'g')), 80), ''),
-       l.mode, a.xact_start IS NOT NULL, job.ids, job.queues
+       l.mode, a.xact_start IS NOT NULL, job.ids, job.queues,
+       extract(epoch FROM clock_timestamp() - a.backend_start)::float8
 FROM pg_locks l
 LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN LATERAL (
