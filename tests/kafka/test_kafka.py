@@ -109,6 +109,47 @@ def test_a_partition_pauses_above_the_limit_and_resumes_at_half() -> None:
     assert pause == [] and [p.number for p in resume] == [0]
 
 
+def test_many_taken_at_once_are_of_distinct_keys_and_finished_together_in_order() -> None:
+    buffer = _Buffer(pause_at=100)
+    buffer.assign([0, 1])
+    keys = [b"a", b"b", b"a", b"c", b"b", b"d"]
+    buffer.add_many([(0, _item(offset, key)) for offset, key in enumerate(keys)], [])
+    buffer.add_many([(1, _item(0, b"a"))], [])
+    first = buffer.take_many(3)
+    assert [(i.part.number, i.offset, i.key) for i in first] == [
+        (0, 0, b"a"),
+        (0, 1, b"b"),
+        (0, 3, b"c"),
+    ]
+    rest = buffer.take_many(10)  # a2 and b4 wait behind a0 and b1, still in flight
+    assert [(i.part.number, i.offset) for i in rest] == [(0, 5), (1, 0)]
+    assert buffer.take_many(10) == []
+    buffer.finish_many([first[1], first[2], *rest])
+    part = buffer.partitions[0]
+    assert buffer.commits() == [(buffer.partitions[1], 1)]  # partition 0 waits for offset 0
+    assert [i.offset for i in buffer.take_many(10)] == [4]  # b's next; a's waits for a0
+    buffer.finish_many([first[0]])
+    (a2,) = buffer.take_many(10)
+    assert a2.offset == 2
+    assert (part, 2) in buffer.commits()  # up to a2 and b4, both in flight
+
+
+def test_a_polls_partition_end_counts_after_its_messages() -> None:
+    """The end of a partition that a poll reached comes after that poll's messages of it: the
+    partition is at its end once they are finished and committed, and not before."""
+    buffer = _Buffer(pause_at=100)
+    buffer.assign([0, 1])
+    buffer.add_many([(0, _item(0, b"a")), (0, _item(1, b"b"))], [(0, 2), (1, 0)])
+    assert buffer.partitions[0].end == 2
+    assert not buffer.drained()
+    buffer.finish_many(buffer.take_many(10))
+    ((part, offset),) = buffer.commits()
+    buffer.committed(part, offset)
+    assert buffer.drained()
+    assert buffer.at_end_of({0, 1})
+    assert not buffer.at_end_of({0, 1, 2})  # partition 2 is not assigned here
+
+
 # In-process: a Runner over a KafkaTransport.
 
 

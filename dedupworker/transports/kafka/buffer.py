@@ -36,30 +36,48 @@ class _Buffer:
                     self.partitions[number] = _Partition(number)
 
     def add(self, number: int, item: _Pending) -> None:
+        self.add_many([(number, item)], [])
+
+    def add_many(self, records: list[tuple[int, _Pending]], ends: list[tuple[int, int]]) -> None:
+        """A poll's messages (partition number, message), then the ends of partitions it
+        reached (partition number, end offset), under one hold of the lock."""
         with self._lock:
-            part = self.partitions.get(number)
-            if part is None:
-                return
-            item.part = part
-            # After a pause librdkafka re-fetches from the last returned offset; never twice.
-            if item.offset <= part.received:
-                return
-            if part.committed is None:
-                # Where the group's committed offset (or the reset policy) started us.
-                part.committed = item.offset
-            part.received, part.end = item.offset, None
-            part.unfinished.add(item.offset)
-            queue = part.queues.setdefault(item.key, deque())
+            ready = sum(self._add(number, item) for number, item in records)
+            for number, offset in ends:
+                self._mark_end(number, offset)
+            if ready:
+                self._work.notify(ready)
+
+    def _add(self, number: int, item: _Pending) -> bool:
+        """Buffer one message; True when its key became ready."""
+        part = self.partitions.get(number)
+        if part is None:
+            return False
+        item.part = part
+        # After a pause librdkafka re-fetches from the last returned offset; never twice.
+        if item.offset <= part.received:
+            return False
+        if part.committed is None:
+            # Where the group's committed offset (or the reset policy) started us.
+            part.committed = item.offset
+        part.received, part.end = item.offset, None
+        part.unfinished.add(item.offset)
+        queue = part.queues.get(item.key)
+        if queue is not None:
             queue.append(item)
-            if len(queue) == 1:
-                self._ready.append((part, item.key))
-                self._work.notify()
+            return False
+        part.queues[item.key] = deque((item,))
+        self._ready.append((part, item.key))
+        return True
 
     def mark_end(self, number: int, offset: int) -> None:
         with self._lock:
-            part = self.partitions.get(number)
-            if part is not None and offset > part.received:
-                part.end = offset
+            self._mark_end(number, offset)
+
+    def _mark_end(self, number: int, offset: int) -> None:
+        part = self.partitions.get(number)
+        if part is not None and offset > part.received:
+            part.end = offset
 
     def revoke(self, numbers: list[int]) -> list[_Partition]:
         """Stop handing out messages of these partitions."""
@@ -125,30 +143,43 @@ class _Buffer:
     # handler threads
 
     def take(self) -> _Pending | None:
+        taken = self.take_many(1)
+        return taken[0] if taken else None
+
+    def take_many(self, count: int) -> list[_Pending]:
+        """Up to `count` ready messages, each the head of its key (so of distinct keys), in
+        one hold of the lock; each is in flight until finished or retried."""
+        taken: list[_Pending] = []
         with self._lock:
             self._promote(time.monotonic())
-            while self._ready:
-                part, key = self._ready.popleft()
+            ready = self._ready
+            while ready and len(taken) < count:
+                part, key = ready.popleft()
                 queue = part.queues.get(key)
                 if part.revoked or not queue or key in part.busy:
                     continue
                 part.busy.add(key)
                 part.in_flight += 1
-                return queue[0]
-            return None
+                taken.append(queue[0])
+        return taken
 
     def finish(self, item: _Pending) -> None:
         """Succeeded or dead-lettered: the offset is done, the key's next message may run."""
+        self.finish_many([item])
+
+    def finish_many(self, items: list[_Pending]) -> None:
+        """`finish` for many messages, in one hold of the lock."""
         with self._lock:
-            part = item.part
-            queue = part.queues[item.key]
-            queue.popleft()
-            part.unfinished.discard(item.offset)
-            if queue:
-                self._ready.append((part, item.key))
-            else:
-                del part.queues[item.key]
-            self._release(item)
+            for item in items:
+                part = item.part
+                queue = part.queues[item.key]
+                queue.popleft()
+                part.unfinished.discard(item.offset)
+                if queue:
+                    self._ready.append((part, item.key))
+                else:
+                    del part.queues[item.key]
+                self._release(item)
 
     def retry(self, item: _Pending, delay: float) -> None:
         """Keep the message at the head of its key, not before `delay` seconds from now."""
@@ -178,6 +209,13 @@ class _Buffer:
     def drained(self) -> bool:
         with self._lock:
             return self.assigned and all(p.at_end() for p in self.partitions.values())
+
+    def at_end_of(self, numbers: set[int]) -> bool:
+        """Every one of these partitions is assigned here and consumed to its end (all
+        finished and committed)."""
+        with self._lock:
+            parts = [self.partitions.get(number) for number in numbers]
+            return all(p is not None and not p.revoked and p.at_end() for p in parts)
 
     def idle(self) -> bool:
         """Nothing buffered or running in any partition held here."""

@@ -70,22 +70,24 @@ _UNASSIGNED = _Partition(-1)
 
 def _pending(record: Any) -> _Pending:
     raw_key: bytes | None = record.key()
-    raw_headers: list[tuple[str, bytes]] = [(k, v or b"") for k, v in record.headers() or []]
-    headers = {k: v.decode("utf-8", "replace") for k, v in raw_headers}
+    offset: int = record.offset()
+    given = record.headers()  # None when the record has none
+    raw_headers: list[tuple[str, bytes]] = [(k, v or b"") for k, v in given] if given else []
+    headers = {k: v.decode("utf-8", "replace") for k, v in raw_headers} if given else {}
     if raw_key is not None:
         headers[KEY] = _key_text(raw_key)
-    headers.update(
-        topic=record.topic(), partition=str(record.partition()), offset=str(record.offset())
-    )
+    headers["topic"] = record.topic()
+    headers["partition"] = str(record.partition())
+    headers["offset"] = str(offset)
     return _Pending(
-        part=_UNASSIGNED,
-        offset=record.offset(),
+        _UNASSIGNED,
+        offset,
         # Messages without a key have no order to keep: each is its own key.
-        key=raw_key if raw_key is not None else record.offset(),
-        raw_key=raw_key,
-        value=record.value() or b"",
-        headers=headers,
-        raw_headers=raw_headers,
+        raw_key if raw_key is not None else offset,
+        raw_key,
+        record.value() or b"",
+        headers,
+        raw_headers,
     )
 
 

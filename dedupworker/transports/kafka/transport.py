@@ -40,7 +40,7 @@ from ... import metrics
 from ...config import WorkerConfig
 from ...errors import TransportError
 from ...message import Message
-from ...transport import Delivery
+from ...transport import Delivery, Settlements
 from .buffer import _Buffer
 from .client import POLL_BATCH, POLL_TIMEOUT, _client, _describe, _hint, client_settings
 from .dead_letter import DEAD_LETTER_TIMEOUT, produce_dead_letter
@@ -69,6 +69,9 @@ DRAIN_CHECK_TIMEOUT = 2.0
 # (the check blocks the consumer thread, whose polls are what completes the group join); after
 # that a member left without partitions asks all the same.
 DRAIN_ASSIGN_GRACE = 5.0
+# --drain: seconds after the last message or assignment during which an idle worker waits for
+# the end-of-partition events of its partitions before asking the broker (the end probe) anyway.
+DRAIN_END_WAIT = 1.0
 RESET_TO_END = {"latest", "largest", "end"}
 
 
@@ -92,6 +95,10 @@ class KafkaTransport:
         # cleared whenever a message arrives.
         self._topic_consumed = threading.Event()
         self._next_drain_check = time.monotonic()
+        # Whether the last drain check found this worker's partitions at their ends, and when
+        # messages or partitions last arrived.
+        self._asked_at_end = False
+        self._last_arrival = time.monotonic()
         self._no_assignment_until = time.monotonic() + DRAIN_ASSIGN_GRACE
         reset = str(consumer_settings.get("auto.offset.reset", "earliest")).lower()
         self._reset_offset = OFFSET_END if reset in RESET_TO_END else OFFSET_BEGINNING
@@ -113,11 +120,18 @@ class KafkaTransport:
     # the Transport protocol, called from handler threads
 
     def receive(self, conn: Any) -> Delivery | None:
+        taken = self.receive_many(1)
+        return taken[0] if taken else None
+
+    def receive_many(self, count: int, wait: bool = True) -> list[Delivery]:
+        """Up to `count` buffered messages, of distinct keys, taken in one step
+        (transport.ReceivesMany: the batch and session-lock engines). Never waits for more:
+        an engine with none waits in `wait_for_work`."""
         if not self._thread.is_alive() and not self._stopping.is_set():
             raise TransportError("the Kafka consumer thread stopped; see the errors logged above")
-        item = self._buffer.take()
-        if item is None:
-            return None
+        return [self._delivery(item) for item in self._buffer.take_many(count)]
+
+    def _delivery(self, item: _Pending) -> Delivery:
         message = Message(
             id=f"{self.topic}/{item.part.number}/{item.offset}",
             body=item.value,
@@ -145,6 +159,24 @@ class KafkaTransport:
         else:
             item.attempt += 1
         self._buffer.retry(item, delay)
+
+    def settle_many(self, settlements: Settlements, conn: Any) -> None:
+        """A batch's outcomes (transport.SettlesMany, the batch engine): its acknowledged
+        messages finished in one step of the buffer, the others one by one, each carried out
+        whatever an earlier one raised (the first error is raised at the end)."""
+        self._buffer.finish_many([delivery.receipt for delivery in settlements.acks])
+        failed: Exception | None = None
+        for delivery, delay in settlements.contended:
+            self.requeue(delivery, delay, None, contended=True)
+        for delivery, delay, error in settlements.retried:
+            self.requeue(delivery, delay, None, contended=False, error=error)
+        for delivery, reason, trace in settlements.dead:
+            try:
+                self.dead_letter(delivery, reason, None, traceback=trace)
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Any, *, traceback: str = ""
@@ -210,16 +242,23 @@ class KafkaTransport:
         self._leave()
 
     def _poll(self) -> None:
-        timeout = PAUSED_POLL_TIMEOUT if self._buffer.any_paused() else POLL_TIMEOUT
+        timeout = POLL_TIMEOUT
+        if self._buffer.any_paused() or self._topic_consumed.is_set():
+            timeout = PAUSED_POLL_TIMEOUT  # a paused partition, or a worker about to close
+        records, ends = [], []
         for record in self._consumer.consume(POLL_BATCH, timeout):
             error = record.error()
             if error is None:
-                self._topic_consumed.clear()
-                self._buffer.add(record.partition(), _pending(record))
+                records.append((record.partition(), _pending(record)))
             elif error.code() == KafkaError._PARTITION_EOF:
-                self._buffer.mark_end(record.partition(), record.offset())
+                ends.append((record.partition(), record.offset()))
             else:
                 log.warning("Kafka: %s%s", error.str(), _hint(error))
+        if records:
+            self._topic_consumed.clear()
+            self._asked_at_end, self._last_arrival = False, time.monotonic()
+        if records or ends:
+            self._buffer.add_many(records, ends)
         pause, resume = self._buffer.flow_changes()
         if pause:
             self._consumer.pause([self._tp(p.number) for p in pause])
@@ -245,18 +284,23 @@ class KafkaTransport:
                 log.warning("committing partition %d failed: %s", part.number, result.error)
 
     def _check_drained(self) -> None:
-        """While idle, every DRAIN_CHECK_INTERVAL: has the group consumed the whole topic?"""
+        """While idle: has the group consumed the whole topic? Asked every DRAIN_CHECK_INTERVAL,
+        and at once when every partition here has just been consumed to its end."""
+        if self._topic_consumed.is_set() or not self._buffer.idle():
+            return
         now = time.monotonic()
-        if self._topic_consumed.is_set() or now < self._next_drain_check:
-            return
         if not self._buffer.assigned and now < self._no_assignment_until:
-            return
-        self._next_drain_check = now + DRAIN_CHECK_INTERVAL
-        if not self._buffer.idle():
             return
         self._commit()  # what finished here counts once committed
         if not self._buffer.settled():
             return
+        at_end = self._buffer.drained()
+        if not at_end and now < self._last_arrival + DRAIN_END_WAIT:
+            return  # the ends of the partitions here are on their way
+        if now < self._next_drain_check and (self._asked_at_end or not at_end):
+            return
+        self._next_drain_check = now + DRAIN_CHECK_INTERVAL
+        self._asked_at_end = at_end
         try:
             consumed = self._group_at_end()
         except KafkaException as exc:
@@ -267,11 +311,16 @@ class KafkaTransport:
             self._buffer.wake_all()  # idle handler threads: the drain check at once
 
     def _group_at_end(self) -> bool:
-        """Every partition of the topic has nothing at or after the group's committed offset."""
-        meta = self._consumer.list_topics(self.topic, timeout=DRAIN_CHECK_TIMEOUT)
+        """Every partition of the topic has nothing at or after the group's committed offset:
+        known here when every one of them is assigned here and consumed to its end, else
+        found by the end probe."""
+        # Asked by the producer: the consumer's connection may be waiting for a fetch.
+        meta = self._producer.list_topics(self.topic, timeout=DRAIN_CHECK_TIMEOUT)
         topic = meta.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
             return False  # a topic that does not exist yet is not drained
+        if self._buffer.at_end_of(set(topic.partitions)):
+            return True
         wanted = [self._tp(number) for number in sorted(topic.partitions)]
         starts = []
         for tp in self._consumer.committed(wanted, timeout=DRAIN_CHECK_TIMEOUT):
@@ -295,6 +344,7 @@ class KafkaTransport:
         if numbers:
             log.info("assigned %s partitions %s", self.topic, numbers)
         self._buffer.assign(numbers)
+        self._last_arrival = time.monotonic()
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         parts = self._buffer.revoke([tp.partition for tp in partitions])
