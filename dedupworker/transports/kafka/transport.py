@@ -13,9 +13,15 @@ rebalance callbacks, pauses and resumes partitions and commits. Handler threads 
 
 With `--drain` the worker exits only once the whole topic is consumed by its group: every
 partition's committed offset is its end, found by fetching from it (not by ListOffsets, which
-some brokers answer wrongly). Its own partitions being done is not enough: a partition of a
-member that was killed is handed to a live member only once the broker expired the dead one's
-session, and a worker that left before then would leave that partition to nobody.
+some brokers answer wrongly): the consumer's own end-of-partition events for the partitions it
+holds, the end probe (probe.py) for the others. Its own partitions being done is not enough
+unless they are all the topic's: a partition of a member that was killed is handed to a live
+member only once the broker expired the dead one's session, and a worker that left before then
+would leave that partition to nobody.
+
+The batch and session-lock engines take many messages in one step (`receive_many`) and the
+batch engine settles its acknowledgements in one (`settle_many`), each one hold of the
+buffer's lock.
 """
 
 from __future__ import annotations
