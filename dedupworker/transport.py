@@ -3,8 +3,8 @@ capabilities some add, each an explicit Protocol checked once when the worker st
 
     Transport             ack, requeue, dead_letter, wait_for_work, is_drained, close
     ├── Receives          receive: messages handed over, settled after the transaction (SQS, Kafka)
-    │   └── ReceivesMany  receive_many: many at once, owned by no thread (SQS, for the
-    │                     session-lock engine)
+    │   └── ReceivesMany  receive_many: many at once, owned by no thread (SQS, Kafka: the
+    │                     session-lock and batch engines)
     ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
     ├── ClaimsOnSessions  session_claims: messages claimed by session locks (postgres, for the
     │                     session-lock engine)
