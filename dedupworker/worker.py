@@ -216,7 +216,7 @@ class Worker:
         log.info("dedupworker %s started: %s", __version__, self._describe())
         if self.reporter is not None:
             self.reporter.tick()  # a paused queue is not claimed from, even at start
-        with _on_stop(self.stop):
+        with _on_stop() as signalled:
             threads = [thread for runner in self.runners for thread in self._threads_of(runner)]
             self._threads = threads
             for thread in threads:
@@ -226,9 +226,12 @@ class Worker:
                 self.scheduler.start()
             # Without handlers (singletons only) the worker serves until it is stopped.
             while not self.stop_event.wait(0.2):
-                if threads and not any(t.is_alive() for t in threads):
+                if signalled:
+                    self._stop_on(signalled[0])
+                elif threads and not any(t.is_alive() for t in threads):
                     break
-                self._housekeeping()
+                else:
+                    self._housekeeping()
             abandoned = self._join(threads)
         self.close(wait=not abandoned)
         self._report(abandoned)
@@ -324,6 +327,11 @@ class Worker:
         self.stop_event.set()
         for transport in self._wakes:
             transport.wake_all()
+
+    def _stop_on(self, signum: int) -> None:
+        self.stop()
+        if signum == signal.SIGINT:
+            log.info("press Ctrl-C again to interrupt the in-flight handlers")
 
     def close(self, wait: bool = True) -> None:
         if self.scheduler is not None:
@@ -436,24 +444,24 @@ def _reachable(dsn: str, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def _on_stop(callback: Any) -> Iterator[None]:
-    """SIGTERM/SIGINT call `callback` once; a second SIGINT interrupts. Restored on exit."""
+def _on_stop() -> Iterator[list[int]]:
+    """SIGTERM/SIGINT are noted in the list yielded, for the main loop to stop on; a second
+    SIGINT interrupts. Restored on exit. The handler takes no lock: it runs on the main thread
+    between two of its bytecodes, maybe while that thread holds the very lock it would wait
+    for (the stop event's, inside `Event.wait`), which would hang the worker for ever."""
+    signalled: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield signalled
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and stopping.is_set():
+        if signum == signal.SIGINT and signalled:
             raise KeyboardInterrupt(INTERRUPTED)
-        stopping.set()
-        callback()
-        if signum == signal.SIGINT:
-            log.info("press Ctrl-C again to interrupt the in-flight handlers")
+        signalled.append(signum)
 
-    stopping = threading.Event()
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield signalled
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
