@@ -34,7 +34,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -67,6 +67,7 @@ from .lock_session import (
     SettlementFailed,
 )
 from .sources import ReceivedSource, Source
+from .threads import DaemonThreads
 
 if TYPE_CHECKING:
     from ..config import WorkerConfig
@@ -83,6 +84,11 @@ REOPEN_BACKOFF_MAX = 2.0
 # Seconds the calls cancelled at the shutdown deadline get to end (a thread cannot be stopped:
 # the process exit ends it). The worker waits this much longer for an engine serving itself.
 SHUTDOWN_GRACE = 2.0
+# Seconds closing the lock sessions and the read pool may take once serving ended: past them
+# the process exit ends what is left.
+CLOSE_LIMIT = 5.0
+# The event loop's default executor, for an async handler's `asyncio.to_thread`: asyncio's size.
+DEFAULT_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 class SessionCall(Call):
@@ -139,13 +145,14 @@ class SessionEngine:
         self._may_run = type(handler).may_run is not Handler.may_run
         self._after_settle = type(handler).after_settle is not Handler.after_settle
         self._lock_read = type(handler).lock_read is not Handler.lock_read
+        # Daemon threads, all of them (see threads.py): a call stuck on one never holds up
+        # the exit past the shutdown deadline, nor does an async call's `asyncio.to_thread`.
         self._loop = asyncio.new_event_loop()
-        self._io = ThreadPoolExecutor(4, thread_name_prefix=f"{handler.name}-io")
-        self._threads: ThreadPoolExecutor | None = None
+        self._loop.set_default_executor(DaemonThreads(DEFAULT_THREADS, f"{handler.name}-to-thread"))
+        self._io = DaemonThreads(4, f"{handler.name}-io")
+        self._threads: DaemonThreads | None = None
         if not self._async:
-            self._threads = ThreadPoolExecutor(
-                config.concurrency, thread_name_prefix=f"{handler.name}-call"
-            )
+            self._threads = DaemonThreads(config.concurrency, f"{handler.name}-call")
         self._source = source_of(transport, self._io)
         self._sessions: list[LockSession | None] = [None] * config.lock_sessions
         self._next = 0
@@ -191,9 +198,16 @@ class SessionEngine:
     def close(self) -> None:
         if self._loop.is_running() or self._loop.is_closed():
             return  # still serving past the deadline: the process exit ends the sessions
-        self._loop.run_until_complete(self._close())
-        self._loop.run_until_complete(self._loop.shutdown_default_executor())
-        self._loop.close()
+        # Bounded, and no shutdown_default_executor: it would wait for an async call's thread.
+        closing = self._loop.create_task(self._close())
+        self._loop.run_until_complete(asyncio.wait([closing], timeout=CLOSE_LIMIT))
+        if not closing.done():
+            log.warning(
+                "%s: closing the lock sessions took over %gs; the exit ends them",
+                self.handler.name,
+                CLOSE_LIMIT,
+            )
+        self._loop.close()  # and shuts the default executor down, without waiting
         self._io.shutdown(wait=False, cancel_futures=True)
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
@@ -735,7 +749,7 @@ class SessionEngine:
             self._m_locks.inc(delta)
 
 
-def source_of(transport: Transport, io: ThreadPoolExecutor) -> Source:
+def source_of(transport: Transport, io: Executor) -> Source:
     """The transport's own session claims (the postgres queue), or a received message's."""
     from ..transport import ClaimsOnSessions
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outcomes import Verdict, carry_out
@@ -80,7 +80,7 @@ class ReceivedSource:
 
     claims_on_sessions = False
 
-    def __init__(self, transport: Receives, io: ThreadPoolExecutor) -> None:
+    def __init__(self, transport: Receives, io: Executor) -> None:
         self.transport = transport
         self._io = io
 

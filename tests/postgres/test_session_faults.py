@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,13 +31,17 @@ from typing import Any, NamedTuple
 import psycopg
 import pytest
 
+from dedupworker import enqueue, sql
 from dedupworker.checking import create_session_tables, overlapping_calls
 from dedupworker.keys import session_key
 from dedupworker.sessions import SessionLost
 from dedupworker.sessions.lock_session import Lock, LockSession, Settlement
+from dedupworker.worker import _on_stop
 from tests.postgres.test_faults import Run, assert_clean, fill, handlers_running, run_with
+from tests.support.acceptance import worker
 from tests.support.checked_calls import scalar
 from tests.support.proxy import Proxy
+from tests.support.session_handlers import TABLES
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -296,3 +301,71 @@ def test_a_request_in_flight_when_its_lock_session_is_lost_is_answered(
         assert answer.error is None
     else:
         assert isinstance(answer.error, SessionLost), answer.error
+
+
+# --- SIGTERM and the shutdown deadline -------------------------------------------------------
+
+STUCK = {
+    "threads": "tests.support.session_handlers:StuckThreads",
+    "to_thread": "tests.support.session_handlers:StuckToThread",
+}
+HOLDING = "SELECT count(*) = 1 FROM session_holds WHERE msg = 'stuck'"
+JOB_CLAIMS = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+    f" AND classid::int8 = {sql.JOB_NAMESPACE}"
+)
+
+
+@pytest.mark.parametrize("kind", sorted(STUCK))
+def test_a_call_stuck_on_a_thread_does_not_keep_the_worker_past_its_shutdown_deadline(
+    dsn: str, conn: psycopg.Connection[Any], kind: str
+) -> None:
+    """SIGTERM while a call waits on what nothing can interrupt (a plain `handle`, or an async
+    one's `asyncio.to_thread`): at --shutdown-timeout the engine gives up on it and the process
+    exits 0; its job, claimed on a lock session, is free again once the process is gone. A
+    thread that the interpreter's exit joins would keep the worker alive for ever."""
+    conn.execute(TABLES)
+    enqueue(conn, "q", [{"msg": "stuck", "entity": 1}], entity=lambda m: m.json()["entity"])
+    proc = worker(dsn, STUCK[kind], "--shutdown-timeout", "0.5", "--lock-sessions", "2")
+    try:
+        until_true(conn, HOLDING, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the worker never exited after SIGTERM, its call stuck:\n{err[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    assert "1 call(s) still running at the 0.5s shutdown deadline" in err, err[-3000:]
+    assert scalar(conn, "SELECT count(*) FROM dedupworker.jobs WHERE status = 'ready'") == 1
+    until_true(conn, f"SELECT ({JOB_CLAIMS}) = 0")
+
+
+def until_true(
+    conn: psycopg.Connection[Any], query: str, proc: subprocess.Popen[str] | None = None
+) -> None:
+    """Wait for `query` to be true (while `proc`, if given, runs)."""
+    deadline = time.monotonic() + 60
+    while not scalar(conn, query):
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the worker exited ({proc.returncode}):\n{proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"never true: {query}"
+        time.sleep(0.05)
+
+
+def test_sigterm_while_the_main_thread_holds_the_stop_events_lock_is_noted_not_waited_on() -> None:
+    """The handler runs on the main thread between two of its bytecodes, so maybe inside
+    `Event.wait` (the worker's loop waits on its stop event), holding that event's lock. A
+    handler that set the event there waited for its own thread's lock: the worker logged
+    "stopping" and hung for ever. The SIGTERM is noted; the loop stops on it."""
+    stop_event = threading.Event()
+    with _on_stop() as signalled:
+        with stop_event._cond:  # type: ignore[attr-defined]  # what Event.wait holds
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0)  # the handler runs by the next bytecodes at the latest
+        assert signalled == [signal.SIGTERM]
+    assert not stop_event.is_set()

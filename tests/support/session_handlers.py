@@ -15,6 +15,8 @@ docstrings), with what these tests add:
   it commits in the settlement's transaction whatever the outcome.
 
 Body: {"msg": id, "entity": key, "work_ms": n, "do": ...}.
+
+`StuckThreads` and `StuckToThread` are calls that never end (the shutdown deadline's tests).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -139,6 +142,38 @@ class OtherGroupThreads(SessionCheckedThreads):
 
     dedup_scope = "other-group"
     tag = "other/"
+
+
+# --- calls that never end on their own --------------------------------------------------------
+
+_NEVER = threading.Event()  # never set: what a stuck call waits on
+
+
+class StuckThreads(Handler):
+    """A plain `handle` that notes it holds (`session_holds`), then waits on what nothing can
+    interrupt: a call stuck on its thread, whatever the engine tells it."""
+
+    lock_namespace = 46
+    lock_scope = "session"
+
+    def entity_id(self, message: Message) -> int | str:
+        entity: int | str = message.json()["entity"]
+        return entity
+
+    def handle(self, message: Message, conn: CallConnection) -> None:  # type: ignore[override]
+        with conn.read() as reads:
+            reads.execute(_HOLDS, (str(message.json()["msg"]), os.getpid()))
+        _NEVER.wait()
+
+
+class StuckToThread(StuckThreads):
+    """StuckThreads as an `async def handle` whose wait runs on `asyncio.to_thread`: the
+    call's task can be cancelled, its thread cannot."""
+
+    async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
+        async with conn.read() as reads:
+            await reads.execute(_HOLDS, (str(message.json()["msg"]), os.getpid()))
+        await asyncio.to_thread(_NEVER.wait)
 
 
 # --- reading back what the calls recorded -----------------------------------------------------
