@@ -171,18 +171,7 @@ class KafkaTransport:
         messages finished in one step of the buffer, the others one by one, each carried out
         whatever an earlier one raised (the first error is raised at the end)."""
         self._buffer.finish_many([delivery.receipt for delivery in settlements.acks])
-        failed: Exception | None = None
-        for delivery, delay in settlements.contended:
-            self.requeue(delivery, delay, None, contended=True)
-        for delivery, delay, error in settlements.retried:
-            self.requeue(delivery, delay, None, contended=False, error=error)
-        for delivery, reason, trace in settlements.dead:
-            try:
-                self.dead_letter(delivery, reason, None, traceback=trace)
-            except Exception as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        settlements.carry_out_others(self, None)
 
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Any, *, traceback: str = ""

@@ -17,8 +17,6 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -123,31 +121,10 @@ class SqsTransport:
         messages deleted from the calling thread, ten per request, so that deletes keep pace
         with receives (one keeper thread deleting for every handler thread falls behind);
         the others one by one. Each is carried out whatever an earlier one raised."""
-        failed: Exception | None = None
         self._inbox.deleting(settlements.acks)
         for chunk in _chunks(settlements.acks):
             self._delete(chunk)
-        others: list[Callable[[], None]] = [
-            *(
-                partial(self.requeue, d, delay, None, contended=True)
-                for d, delay in settlements.contended
-            ),
-            *(
-                partial(self.requeue, d, delay, None, contended=False, error=error)
-                for d, delay, error in settlements.retried
-            ),
-            *(
-                partial(self.dead_letter, d, reason, None, traceback=trace)
-                for d, reason, trace in settlements.dead
-            ),
-        ]
-        for action in others:
-            try:
-                action()
-            except Exception as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        settlements.carry_out_others(self, None)
 
     def requeue(
         self, delivery: Delivery, delay: float, conn: Any, *, contended: bool, error: str = ""
