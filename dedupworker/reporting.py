@@ -1,7 +1,8 @@
 """What a worker tells the database for its operators (the console, `dedupworker queues`).
 
-Run from the worker's main thread (its housekeeping, every 0.2 s), on the pool's spare
-connection (the one kept for the scheduler), never on a handler thread's:
+Run on a thread of its own (a database that does not answer holds up neither the handler
+threads nor the main thread, which handles signals), on the pool's spare connection (the one
+kept for the scheduler), never on a handler thread's:
 
 - every PAUSE_INTERVAL, the pauses of its postgres queues (`dedupworker pause`): a paused
   queue's transport stops claiming, logs it and sets dedupworker_queue_paused;
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -40,6 +42,7 @@ HEARTBEAT_INTERVAL = 5.0
 FORGET_AFTER = "1 hour"  # workers not seen and throughput minutes older than this are deleted
 HOT_REPORTED = 10
 POOL_WAIT = 1.0
+CLOSE_WAIT = 2.0  # seconds the worker's exit waits for the reporter's last step
 
 PAUSES = "SELECT queue, paused_by, reason FROM dedupworker.queue_pauses WHERE queue = ANY(%s)"
 HEARTBEAT = """
@@ -90,6 +93,30 @@ class Reporter:
         self._next_heartbeat = 0.0
         self._next_forget = 0.0
         self._failing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, stop: threading.Event) -> None:
+        """Report from a daemon thread until `stop` is set; then the worker's row goes."""
+        self._thread = threading.Thread(
+            target=self._run, args=(stop,), name="dedupworker-report", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Wait (CLOSE_WAIT at most) for the thread to delete the worker's row and end."""
+        if self._thread is not None:
+            self._thread.join(CLOSE_WAIT)
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self._until_due()):
+            self.tick()
+        self.gone()
+
+    def _until_due(self) -> float:
+        due = self._next_heartbeat
+        if self._pausable:
+            due = min(due, self._next_pause)
+        return max(0.05, due - time.monotonic())
 
     def tick(self, now: float | None = None) -> None:
         """Do what is due; never raises (a failure is logged once until the next success)."""

@@ -216,6 +216,7 @@ class Worker:
         log.info("dedupworker %s started: %s", __version__, self._describe())
         if self.reporter is not None:
             self.reporter.tick()  # a paused queue is not claimed from, even at start
+            self.reporter.start(self.stop_event)
         with _on_stop() as signalled:
             threads = [thread for runner in self.runners for thread in self._threads_of(runner)]
             self._threads = threads
@@ -337,7 +338,7 @@ class Worker:
         if self.scheduler is not None:
             self.scheduler.stop()
         if self.reporter is not None:
-            self.reporter.gone()
+            self.reporter.close()
         for runner in self.runners:
             if isinstance(runner, Serves):
                 runner.close()
@@ -388,11 +389,8 @@ class Worker:
             self.idle(runner)
 
     def _housekeeping(self) -> None:
-        """From the main thread: pauses read every second and the heartbeat written every 5 s
-        (dedupworker.reporting), queue depth every 15 s, hot entities in the log every 60 s."""
+        """From the main thread: queue depth every 15 s, hot entities in the log every 60 s."""
         now = time.monotonic()
-        if self.reporter is not None:
-            self.reporter.tick(now)
         if self.observing and now >= self._next_depth:
             self._next_depth = now + DEPTH_INTERVAL
             for transport in self._depths:
