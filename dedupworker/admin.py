@@ -186,7 +186,7 @@ class DeadJob:
     error: str | None
     body: str  # its first BODY_PREVIEW characters
     traceback: str | None
-    entity: int | str | None = None  # the entity given at enqueue
+    entity: int | str | None = None  # given at enqueue, or found by its worker
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,7 +198,8 @@ class DeadSearch:
     empty string is no criterion (a form's empty field)."""
 
     queue: str | None = None
-    # The entity given at enqueue, as keys.normalize_entity compares them: "7" finds 7 and "7".
+    # The entity (given at enqueue, or found by its worker), as keys.normalize_entity
+    # compares them: "7" finds 7 and "7".
     entity: str | None = None
     reason: str | None = None  # a substring of the reason (last_error), case-insensitive
     since: datetime | None = None  # dead at or after

@@ -287,7 +287,9 @@ SEARCH_FLAGS = ("entity", "reason", "since", "until")
 
 def _add_search_flags(p: argparse.ArgumentParser, selects: str = "") -> None:
     group = p.add_argument_group(f"search (every flag given must match{selects})")
-    group.add_argument("--entity", help='the entity given at enqueue (7 finds 7 and "7")')
+    group.add_argument(
+        "--entity", help='the entity (its worker\'s, or given at enqueue; 7 finds 7 and "7")'
+    )
     group.add_argument("--reason", help="text in the reason, any case")
     group.add_argument(
         "--since", metavar="TIME", help="dead at or after (ISO time, e.g. 2026-05-01T12:00)"

@@ -14,7 +14,6 @@ from .transport import Settlements, SettlesMany
 
 if TYPE_CHECKING:
     from .handler import Handler
-    from .message import Message
     from .transport import Delivery, Transport
     from .wire import Executor
 
@@ -106,12 +105,15 @@ def on_bad_entity(exc: Exception) -> Verdict:
     )
 
 
-def identify(handler: Handler, message: Message) -> tuple[int | str, str | None] | Verdict:
-    """A message's entity (normalized: `7` and `"7"` are one) and its ledger key, or, when
-    `entity_id()` or `dedup_key()` raised or gave something unusable, its verdict: every
-    engine's first step."""
+def identify(handler: Handler, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
+    """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`) and
+    its ledger key, or, when `entity_id()` or `dedup_key()` raised or gave something unusable,
+    its verdict: every engine's first step."""
+    message = delivery.message
     try:
-        return normalize_entity(handler.entity_id(message)), handler.dedup_key(message)
+        entity = normalize_entity(handler.entity_id(message))
+        delivery.entity = entity
+        return entity, handler.dedup_key(message)
     except Exception as exc:
         return on_bad_entity(exc)
 

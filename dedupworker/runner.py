@@ -88,7 +88,7 @@ class Runner:
     def _decide(self, call: Call) -> Verdict:
         """Entity, local turn, lock and ledger look-up, then the handler call: the verdict."""
         handler, delivery = self.handler, call.delivery
-        found = identify(handler, delivery.message)
+        found = identify(handler, delivery)
         if isinstance(found, Verdict):
             return found
         entity, dedup_key = found

@@ -114,10 +114,12 @@ SET run_at = clock_timestamp() + make_interval(secs => %s), attempts = attempts 
 WHERE id = %s
 """
 
+# A dead job keeps the entity its worker found (JSON text, NULL when none was found), unless
+# one was given at enqueue: the console and `dead list --entity` search by it.
 DEAD_LETTER = """
 UPDATE dedupworker.jobs
 SET status = 'dead', attempts = attempts + 1, last_error = %s, last_traceback = %s,
-    dead_at = clock_timestamp()
+    dead_at = clock_timestamp(), entity = coalesce(entity, %s::jsonb)
 WHERE id = %s
 """
 
@@ -384,8 +386,9 @@ WHERE j.id = t.id
 DEAD_LETTER_MANY = """
 UPDATE dedupworker.jobs j
 SET status = 'dead', attempts = attempts + 1, last_error = t.reason,
-    last_traceback = t.traceback, dead_at = clock_timestamp()
-FROM unnest(%s::int8[], %s::text[], %s::text[]) AS t(id, reason, traceback)
+    last_traceback = t.traceback, dead_at = clock_timestamp(),
+    entity = coalesce(j.entity, t.entity::jsonb)
+FROM unnest(%s::int8[], %s::text[], %s::text[], %s::text[]) AS t(id, reason, traceback, entity)
 WHERE j.id = t.id
 """
 

@@ -45,6 +45,9 @@ class Delivery:
     receipt: Any = None  # the transport's own handle on the message, opaque to the rest
     # Unix time of the message's first contention, if it met one (for the lock-wait metric).
     contended_since: float | None = None
+    # Its entity, once the engine found it (outcomes.identify): kept with a dead letter where
+    # the transport can (the postgres queue's jobs.entity, searched by the console).
+    entity: int | str | None = None
 
 
 class Transport(Protocol):

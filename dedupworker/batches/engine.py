@@ -124,7 +124,7 @@ class BatchEngine:
         dedup_keys: list[str] = []
         prelocked, int4 = self.source.prelocked, self._mode == "int4"
         for i, delivery in enumerate(call.deliveries):
-            found = identify(handler, delivery.message)
+            found = identify(handler, delivery)
             if isinstance(found, Verdict):
                 verdicts[i] = found
                 continue

@@ -406,7 +406,7 @@ class SessionEngine:
     async def _decide(self, call: SessionCall) -> Verdict:
         """Entity, local turn, lock and guard, ledger look-up, then the handler: the verdict."""
         handler, delivery = self.handler, call.delivery
-        found = identify(handler, delivery.message)
+        found = identify(handler, delivery)
         if isinstance(found, Verdict):
             return found
         entity, dedup_key = found

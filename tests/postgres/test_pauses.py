@@ -126,3 +126,23 @@ def test_workers_report_heartbeat_hot_entities_and_throughput(
     # A worker that stops takes its row away.
     assert conn.execute("SELECT count(*) FROM dedupworker.workers").fetchone() == (0,)
     assert json.loads(json.dumps(hot))  # stored as JSON the console reads back
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_dead_job_keeps_the_entity_its_worker_found_for_the_search(
+    dsn: str, conn: psycopg.Connection[Any], engine: str
+) -> None:
+    from dedupworker import admin
+
+    rejecting = ENGINES[engine].replace(":", ":Rejects")
+    enqueue(conn, "q", [{"entity": "7"}, {"entity": 8}, {"entity": "user-9"}])
+    enqueue(conn, "q", [{"entity": 10}], entity=lambda message: 10)  # given: kept as is
+    with start(dsn, rejecting):
+        wait_for(lambda: ready(conn) == 0)
+    stored = conn.execute(
+        "SELECT entity FROM dedupworker.jobs WHERE status = 'dead' ORDER BY id"
+    ).fetchall()
+    assert stored == [(7,), (8,), ("user-9",), (10,)]
+    found = admin.search_dead(conn, admin.DeadSearch(entity="7"))
+    assert [job.entity for job in found] == [7]
+    assert len(admin.search_dead(conn, admin.DeadSearch(entity="user-9"))) == 1

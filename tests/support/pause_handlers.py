@@ -1,4 +1,4 @@
-"""No-op handlers, one per engine, for tests/postgres/test_pauses.py."""
+"""Handlers, one per engine, that do nothing or reject all (tests/postgres/test_pauses.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker import BatchHandler, Handler, Message
+from dedupworker import BatchHandler, Handler, Message, Reject
 
 
 class Each(Handler):
@@ -48,3 +48,24 @@ class Sessions(Handler):
 
     async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
         return None
+
+
+class RejectsEach(Each):
+    """The per-message engine, rejecting every message."""
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        raise Reject("not today")
+
+
+class RejectsBatches(Batches):
+    """The batch engine, rejecting every message."""
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        raise Reject("not today")
+
+
+class RejectsSessions(Sessions):
+    """The session-lock engine, rejecting every message."""
+
+    async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
+        raise Reject("not today")

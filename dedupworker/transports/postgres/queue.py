@@ -4,6 +4,7 @@ Each message's transaction is opened and closed by `claims.ClaimedTransactions`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -181,7 +182,8 @@ class PostgresTransport:
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
     ) -> None:
-        _require(conn).execute(sql.DEAD_LETTER, (reason, traceback or None, delivery.receipt.id))
+        params = (reason, traceback or None, _entity_json(delivery), delivery.receipt.id)
+        _require(conn).execute(sql.DEAD_LETTER, params)
 
     def settle_many(self, settlements: Settlements, conn: Executor | None) -> None:
         """A batch's outcomes in one statement each, in its transaction (transport.SettlesMany)."""
@@ -210,6 +212,7 @@ class PostgresTransport:
                     [d.receipt.id for d, _, _ in rows_dead],
                     [r for _, r, _ in rows_dead],
                     [t or None for _, _, t in rows_dead],
+                    [_entity_json(d) for d, _, _ in rows_dead],
                 ),
             )
 
@@ -267,6 +270,11 @@ class PostgresTransport:
             except psycopg.Error as exc:
                 log.warning("LISTEN connection lost (%s); polling until it is back", exc)
                 self._closed.wait(self.config.poll_interval)
+
+
+def _entity_json(delivery: Delivery) -> str | None:
+    """The entity its engine found, as jobs.entity holds one (JSON: 7 or "abc")."""
+    return None if delivery.entity is None else json.dumps(delivery.entity)
 
 
 def _require(conn: Executor | None) -> Executor:
