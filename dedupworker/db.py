@@ -216,9 +216,9 @@ def _too_few_connections(dsn: str, size: int, timeout: float) -> str:
     return (
         f"could not open the worker's {size} connections to PostgreSQL at {where} within "
         f"{timeout:g} s: {limit}. Each handler thread holds one connection for its whole call "
-        "(--concurrency per handler, +1 for the scheduler): lower --concurrency, raise "
-        "max_connections, spread the threads over more worker processes or databases, or, for "
-        'handlers that wait (HTTP calls, remote APIs), set lock_scope = "session" on the '
+        "(--concurrency per handler, +1 for the scheduler and reporter): lower --concurrency, "
+        "raise max_connections, spread the threads over more worker processes or databases, or, "
+        'for handlers that wait (HTTP calls, remote APIs), set lock_scope = "session" on the '
         "handler: its calls hold no connection, thousands in flight on a few "
         "(docs/session-locks.md)"
     )

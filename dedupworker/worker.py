@@ -139,7 +139,8 @@ class Worker:
 
     def _pool_size(self) -> int:
         """One pooled connection per handler thread; a session-lock handler needs one for its
-        transport (its calls hold none); +1 for the scheduler."""
+        transport (its calls hold none); +1 shared by the scheduler and the reporter
+        (dedupworker.reporting)."""
         sessions = len(self._session_handlers())
         return self.config.concurrency * (len(self.handlers) - sessions) + sessions + 1
 
