@@ -220,10 +220,10 @@ class Worker:
             self.reporter.start(self.stop_event)
         with _on_stop() as signalled:
             threads = [thread for runner in self.runners for thread in self._threads_of(runner)]
-            self._threads = threads
             for thread in threads:
                 thread.daemon = True
                 thread.start()
+            self._threads = threads  # once started: /healthz asks that every one is alive
             if self.scheduler is not None:
                 self.scheduler.start()
             # Without handlers (singletons only) the worker serves until it is stopped.
