@@ -43,7 +43,7 @@ from tests.support.kafka_proxied import ProxiedTansu
 from tests.support.kafka_server import FAST_GROUP, Tansu, tansu_binary
 from tests.support.worker_processes import WorkerProcesses
 
-pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 PARTITIONS = 4
 ENTITIES = 8  # entity e<i> lives on partition i % the topic's partitions

@@ -25,7 +25,7 @@ from dedupworker.checking import Report, check, create_tables
 from tests.postgres.test_faults import ENTITIES, PROCESSES, Run, every_other_entity
 from tests.support.checked_calls import scalar
 
-pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 HANDLER = "tests.support.batch_handlers:CheckedBatch"
 MESSAGES = 360

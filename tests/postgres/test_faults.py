@@ -27,7 +27,7 @@ from tests.support.pgbouncer import PgBouncer
 from tests.support.proxy import Proxy
 from tests.support.worker_processes import WorkerProcesses
 
-pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 MESSAGES = 300
 ENTITIES = 12

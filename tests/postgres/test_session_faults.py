@@ -43,7 +43,7 @@ from tests.support.checked_calls import scalar
 from tests.support.proxy import Proxy
 from tests.support.session_handlers import TABLES
 
-pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 # 50 messages per hot entity (test_faults.ENTITIES = 12) of 100 ms each: while the locks hold,
 # the drain lasts at least 5 s after the first call, longer than any fault below takes.

@@ -40,7 +40,7 @@ from tests.support.sqs_fault_handlers import RECEIPTS
 from tests.support.sqs_server import Queues, SqsServer
 from tests.support.worker_processes import WorkerProcesses
 
-pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 MESSAGES = 150
 ENTITIES = 5
