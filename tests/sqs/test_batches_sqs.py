@@ -52,6 +52,7 @@ from tests.support.sqs_server import SqsServer
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
 RECORDED = "tests.support.batch_broker_handlers:RecordedBatch"
+FIFO_VISIBILITY = 60  # seconds
 HELD = "held"  # the entity whose lock the test holds
 
 
@@ -153,7 +154,9 @@ def test_a_fifo_queue_applies_each_groups_messages_in_send_order_in_batches(
     sqs: SqsServer, dsn: str, tables: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
     groups, per_group = 4, 10
-    queues = sqs.queues(fifo=True, max_receive_count=MAX_RECEIVE_COUNT, visibility=VISIBILITY)
+    # Long enough that no message of a group comes back while the worker holds it behind the
+    # one before (a 2 s timeout lapsed on a loaded machine, and the next of the group ran first).
+    queues = sqs.queues(fifo=True, max_receive_count=MAX_RECEIVE_COUNT, visibility=FIFO_VISIBILITY)
     bodies = [
         {"msg": f"g{g}-{n}", "entity": f"g{g}", "seq": n}
         for n in range(per_group)
