@@ -400,16 +400,10 @@ def requeue_dead(
     """Make the dead jobs `ids` (or "all" of them, or all matching a DeadSearch) of `queue` (or
     of any) ready again, their attempts and contentions reset, and wake their workers; in one
     transaction."""
-    chosen = _choose(ids, queue)
-    with _schema_needed(), conn.transaction():
-        check_schema(conn)
-        statement = sql.REQUEUE_DEAD_MATCHING.format(filters=chosen.filters)
-        rows = conn.execute(statement, chosen.params).fetchall()
-        jobs = {job_id: name for job_id, name in rows}
-        _audit_jobs(conn, actor, "requeue dead", chosen, jobs)
-        for name in sorted(set(jobs.values())):
-            conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, name))
-    return Requeued(jobs, sorted(set(chosen.wanted or ()) - jobs.keys()))
+    jobs, missing = _act_on_dead(
+        conn, sql.REQUEUE_DEAD_MATCHING, "requeue dead", ids, queue=queue, actor=actor, wake=True
+    )
+    return Requeued(jobs, missing)
 
 
 @dataclass(frozen=True)
@@ -427,14 +421,36 @@ def discard_dead(
 ) -> Acted:
     """Delete the dead jobs `ids` (or "all", or all matching a DeadSearch) of `queue` (or of
     any), in one transaction."""
+    jobs, missing = _act_on_dead(
+        conn, sql.DISCARD_DEAD_MATCHING, "discard dead", ids, queue=queue, actor=actor, wake=False
+    )
+    done = sorted(jobs)
+    return Acted(len(done), done, missing)
+
+
+def _act_on_dead(
+    conn: psycopg.Connection[Any],
+    statement: str,
+    action: str,
+    ids: Selection,
+    *,
+    queue: str | None,
+    actor: str,
+    wake: bool,
+) -> tuple[dict[int, str], list[int]]:
+    """Run `statement` (returning id, queue) over the chosen dead jobs, its audit row and, with
+    `wake`, a wake-up of each queue that got jobs back, in one transaction: the jobs acted on (id ->
+    queue) and the ids asked for that were not dead jobs."""
     chosen = _choose(ids, queue)
     with _schema_needed(), conn.transaction():
         check_schema(conn)
-        statement = sql.DISCARD_DEAD_MATCHING.format(filters=chosen.filters)
-        jobs = {job_id: name for job_id, name in conn.execute(statement, chosen.params)}
-        _audit_jobs(conn, actor, "discard dead", chosen, jobs)
-    done = sorted(jobs)
-    return Acted(len(done), done, sorted(set(chosen.wanted or ()) - jobs.keys()))
+        rows = conn.execute(statement.format(filters=chosen.filters), chosen.params).fetchall()
+        jobs = {job_id: name for job_id, name in rows}
+        _audit_jobs(conn, actor, action, chosen, jobs)
+        if wake:
+            for name in sorted(set(jobs.values())):
+                conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, name))
+    return jobs, sorted(set(chosen.wanted or ()) - jobs.keys())
 
 
 def _audit_jobs(

@@ -3,7 +3,6 @@ their heartbeat, hot entities and throughput (dedupworker.reporting) for the con
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -125,7 +124,6 @@ def test_workers_report_heartbeat_hot_entities_and_throughput(
         wait_for(lambda: succeeded() == 31)
     # A worker that stops takes its row away.
     assert conn.execute("SELECT count(*) FROM dedupworker.workers").fetchone() == (0,)
-    assert json.loads(json.dumps(hot))  # stored as JSON the console reads back
 
 
 @pytest.mark.parametrize("engine", ENGINES)
