@@ -67,7 +67,7 @@ def normalize_entity(entity: object) -> int | str:
     A str that is the canonical decimal form of an int4 comes back as that int, so that ``7``
     and ``"7"`` lock one key (see the module docstring).
     """
-    if is_int(entity):
+    if type(entity) is int or is_int(entity):
         return entity  # type: ignore[return-value]
     if isinstance(entity, uuid.UUID):
         return str(entity)

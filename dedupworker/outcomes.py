@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .errors import Reject, RetryLater
 from .keys import normalize_entity
-from .transport import Settlements, SettlesMany
+from .transport import Settlements, settles_many
 
 if TYPE_CHECKING:
     from .handler import Handler
@@ -195,7 +195,8 @@ def carry_out_many(
     statement per outcome), or one by one (`carry_out`): each message's, whatever an earlier
     one's raised (the first error is raised once all were carried out; the message it failed is
     its transport's to keep, as after a per-message call)."""
-    if not isinstance(transport, SettlesMany):
+    many = settles_many(transport)
+    if many is None:
         _carry_out_each(transport, deliveries, verdicts, conn)
         return
     settlements = Settlements([], [], [], [])
@@ -213,4 +214,4 @@ def carry_out_many(
             case Outcome.DEAD_LETTERED:
                 trace = format_traceback(verdict.error)
                 settlements.dead.append((delivery, verdict.reason, trace))
-    transport.settle_many(settlements, conn)
+    many.settle_many(settlements, conn)

@@ -284,12 +284,17 @@ SESSION_JOB_UNLOCK = (
 # lock is tried in the WHERE clause, on ready rows only): jobs of entities held elsewhere are
 # passed over, never claimed to be requeued, and the jobs of one entity that this transaction
 # locked all come along, in their order (a transaction takes its own lock again).
-# (`{taken}`: which jobs the claim may take; the job's own key is tried on those only.)
+# (`{taken}`: which jobs the claim may take; the job's own key is tried on those only.) It
+# starts at the claiming thread's cursor (the epoch of a run_at it took last, as text, read
+# back less a millisecond for the float's rounding; or NULL: the head; see
+# transports/postgres/batches.py), and returns the columns that are most often their default
+# (no headers, no attempt, no contention) as NULL, which costs the client nothing to read.
 _BATCH_CLAIMED = """
-SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity
+SELECT id, body, nullif(headers, '{{}}'), nullif(attempts, 0), nullif(contentions, 0),
+       extract(epoch FROM contended_since)::float8, entity, extract(epoch FROM run_at)::text
 FROM dedupworker.jobs
 WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+  AND run_at >= coalesce(to_timestamp(%s::float8 - 0.001), '-infinity')
   AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
       CASE WHEN entity IS NULL OR {taken} THEN {job_key} ELSE false END
   END

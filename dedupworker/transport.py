@@ -20,7 +20,7 @@ The transport carries outcomes out; it never decides them (dedupworker.outcomes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from .message import Message
 
@@ -168,6 +168,19 @@ class SettlesMany(Protocol):
     """Carries many outcomes out at once, inside the batch's transaction (`conn`)."""
 
     def settle_many(self, settlements: Settlements, conn: Executor | None) -> None: ...
+
+
+_SETTLES_MANY: dict[type, bool] = {}
+
+
+def settles_many(transport: object) -> SettlesMany | None:
+    """`transport` as a SettlesMany if it is one, checked once per class (a protocol's
+    isinstance walks its members: tens of µs, where a batch asks every time)."""
+    kind = type(transport)
+    found = _SETTLES_MANY.get(kind)
+    if found is None:
+        found = _SETTLES_MANY[kind] = isinstance(transport, SettlesMany)
+    return cast(SettlesMany, transport) if found else None
 
 
 @runtime_checkable

@@ -30,12 +30,14 @@ Measured in `bench/README.md` (the runner's share of client CPU per message fell
 from __future__ import annotations
 
 import binascii
+import functools
 import hashlib
 import itertools
 import json
+import operator
 import re
 import select
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import psycopg
@@ -76,7 +78,7 @@ class _Statement:
         numbers = itertools.count(1)
         self.text = _NUMBERED.sub(lambda _: f"${next(numbers)}", query).encode()
         self.name = b"dedupworker_" + hashlib.sha1(self.text).hexdigest()[:16].encode()
-        self.columns: tuple[tuple[int, ...], list[Callable[[bytes], Any]]] = ((), [])
+        self.columns: tuple[tuple[int, ...], list[_Parse]] = ((), [])
 
 
 _STATEMENTS: dict[str, _Statement] = {}
@@ -107,9 +109,15 @@ _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
 def _array_param(values: list[Any]) -> bytes:
     """A list as a PostgreSQL array literal (ints, floats, bools, strs, None): one text array
     parameter instead of one parameter per value (the batch engine's statements)."""
-    if values and type(values[0]) is int and all(type(value) is int for value in values):
+    kinds = set(map(type, values))
+    if kinds == _INTS:
         return b"{%s}" % ",".join(map(str, values)).encode()  # ids: the common case
+    if kinds == _NULLS:
+        return b"{%s}" % b",".join(itertools.repeat(b"NULL", len(values)))  # no text keys
     return b"{" + b",".join(map(_element, values)) + b"}"
+
+
+_INTS, _NULLS = {int}, {type(None)}
 
 
 def _element(value: Any) -> bytes:
@@ -141,10 +149,6 @@ def _param(value: Any) -> bytes | None:
     raise TypeError(f"cannot send a {type(value).__name__} parameter: {value!r}")
 
 
-def _bytea(value: bytes) -> bytes:
-    return binascii.unhexlify(value[2:])
-
-
 def _json(value: bytes) -> Any:
     if value.isdigit():
         return int(value)
@@ -152,26 +156,44 @@ def _json(value: bytes) -> Any:
 
 
 _DECODE_JSON = json.JSONDecoder().decode
-_PARSERS: dict[int, Callable[[bytes], Any]] = {
-    16: b"t".__eq__,  # bool
-    17: _bytea,  # bytea (hex output)
-    20: int,  # int8
-    21: int,  # int2
-    23: int,  # int4
-    700: float,  # float4
-    701: float,  # float8
-    114: _json,  # json
-    3802: _json,  # jsonb
+_UNHEX = binascii.unhexlify
+_AFTER_HEX_PREFIX = operator.itemgetter(slice(2, None))  # bytea's hex output starts with \x
+_Parse = Callable[[Iterable[bytes]], Iterable[Any]]  # a column's values, none of them NULL
+
+
+def _each(parse: Callable[[bytes], Any]) -> _Parse:
+    return functools.partial(map, parse)
+
+
+_PARSERS: dict[int, _Parse] = {
+    16: _each(b"t".__eq__),  # bool
+    17: lambda values: map(_UNHEX, map(_AFTER_HEX_PREFIX, values)),  # bytea (hex output)
+    20: _each(int),  # int8
+    21: _each(int),  # int2
+    23: _each(int),  # int4
+    700: _each(float),  # float4
+    701: _each(float),  # float8
+    114: _each(_json),  # json
+    3802: _each(_json),  # jsonb
 }
+_TEXT = _each(bytes.decode)
 
 
-def _parsers(statement: _Statement, res: pq.abc.PGresult) -> list[Callable[[bytes], Any]]:
+def _parsers(statement: _Statement, res: pq.abc.PGresult) -> list[_Parse]:
     types = tuple(map(res.ftype, range(res.nfields)))
     known, parsers = statement.columns
     if types != known:
-        parsers = [_PARSERS.get(oid, bytes.decode) for oid in types]
+        parsers = [_PARSERS.get(oid, _TEXT) for oid in types]
         statement.columns = (types, parsers)
     return parsers
+
+
+def _column(parse: _Parse, values: list[bytes | None]) -> list[Any]:
+    """One column's values parsed, its NULLs None."""
+    if None not in values:
+        return list(parse(values))  # type: ignore[arg-type]
+    present = iter(parse([value for value in values if value is not None]))
+    return [None if value is None else next(present) for value in values]
 
 
 class Result:
@@ -202,19 +224,14 @@ class Result:
         count = res.ntuples
         if not count:
             return
-        get, columns = res.get_value, range(res.nfields)
-        parsers = _parsers(statement, res)
-        self._rows = [
-            tuple(
-                [
-                    None if value is None else parse(value)
-                    for parse, value in zip(
-                        parsers, map(get, itertools.repeat(row), columns), strict=True
-                    )
-                ]
-            )
-            for row in range(count)
+        # Column by column, each through C-level maps: a value is fetched and parsed without a
+        # Python frame of its own (but json's).
+        get, rows = res.get_value, range(count)
+        columns = [
+            _column(parse, list(map(get, rows, itertools.repeat(column, count))))
+            for column, parse in enumerate(_parsers(statement, res))
         ]
+        self._rows = list(zip(*columns, strict=True))
 
 
 _Queued = tuple[_Statement, list[bytes | None] | None, Result]

@@ -175,6 +175,7 @@ class ReceivedBatches:
 
     def __init__(self, transport: Receives, handler: BatchHandler, pool: ConnectionPool[Any]):
         self.transport = transport
+        self.many = transport if isinstance(transport, ReceivesMany) else None
         self.pool = pool
         self.statements = Statements(handler)
 
@@ -183,19 +184,19 @@ class ReceivedBatches:
         return BatchCall(deliveries, self.pool.getconn()) if deliveries else None
 
     def _receive(self, size: int) -> list[Delivery]:
-        transport = self.transport
-        if isinstance(transport, ReceivesMany):
-            taken = transport.receive_many(size)
+        many = self.many
+        if many is not None:
+            taken = many.receive_many(size)
             # More while receives come back full, without a long poll: never wait for a
             # fuller batch with messages in hand.
             more = taken
             while len(more) >= RECEIVE_MAX and len(taken) < size:
-                more = transport.receive_many(size - len(taken), wait=False)
+                more = many.receive_many(size - len(taken), wait=False)
                 taken += more
             return taken
         received = []
         for _ in itertools.repeat(None, size):
-            delivery = transport.receive(None)
+            delivery = self.transport.receive(None)
             if delivery is None:
                 break
             received.append(delivery)

@@ -48,6 +48,14 @@ SHARE_WORKERS = 4
 # Batches a thread claims ahead on one connection before it gives the connection back to the
 # pool once (so that the pool's checks and max_lifetime still apply to it).
 AHEAD_CHAIN = 1000
+# A claim starts its scan where the thread's last full claim ended (a cursor over run_at), not at
+# the head of the ready index: the head holds the index entries of every job deleted since the
+# table's last vacuum, which a scan from the head walks through (measured: 1.6 ms of a 100-job
+# claim's server time after 100,000 jobs, 0.2 ms from the cursor). Jobs left behind the cursor
+# (given back by a rollback, passed over while their entity was held, committed late by their
+# producer) are claimed by the next claim from the head: one every CURSOR_SECONDS at least, and
+# every claim after one that came back short.
+CURSOR_SECONDS = 1.0
 
 
 class _Ahead(NamedTuple):
@@ -67,6 +75,11 @@ class _Thread(threading.local):
     # Claims open the handler's savepoint while batches need no lock of their own (every
     # entity given at enqueue, locked by the claim): the handler can run at once.
     savepoint_ahead = False
+    # Where this thread's next claim starts along the ready index (the epoch of the newest run_at
+    # its last full claim took, as PostgreSQL wrote it; None: from the head), and when its
+    # claims last started from the head.
+    cursor: str | None = None
+    from_head_at = 0.0
 
 
 class ClaimedBatches:
@@ -111,7 +124,9 @@ class ClaimedBatches:
                 start.run()
             else:
                 rows, savepoint = ahead.rows, ahead.savepoint
-            deliveries = self.queue.deliveries(rows.fetchall())
+            claimed = rows.fetchall()
+            self._advance(claimed, size)
+            deliveries = self.queue.deliveries(claimed)
             if not deliveries:
                 conn.execute("ROLLBACK")
         except BaseException:
@@ -141,6 +156,19 @@ class ClaimedBatches:
             batch.execute(SAVEPOINT)  # after the claim's locks
         return rows, savepoint
 
+    def _advance(self, claimed: list[tuple[Any, ...]], size: int) -> None:
+        """Move this thread's cursor past a full claim; back to the head after a short one."""
+        self._thread.cursor = claimed[-1][-1] if len(claimed) >= size else None
+
+    def _cursor(self) -> str | None:
+        """Where the next claim starts: None (the head) once a second."""
+        thread = self._thread
+        if thread.cursor is not None and time.monotonic() - thread.from_head_at >= CURSOR_SECONDS:
+            thread.cursor = None
+        if thread.cursor is None:
+            thread.from_head_at = time.monotonic()
+        return thread.cursor
+
     def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
         """The claim locked the entity given at enqueue: ours if it is the handler's."""
         given = delivery.receipt.entity
@@ -151,9 +179,10 @@ class ClaimedBatches:
         if time.monotonic() < self._thread.crowded_until:
             window = size * self._threads * WINDOW_BATCHES
             ways = self._threads * SHARE_WORKERS
-            params = (queue, window, ways, *namespaces, queue, size)
+            self._thread.cursor = None
+            params = (queue, window, ways, *namespaces, queue, None, size)
             return start.execute(self._shared, params)
-        return start.execute(self._claim_sql, (queue, *namespaces, size))
+        return start.execute(self._claim_sql, (queue, self._cursor(), *namespaces, size))
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None

@@ -136,19 +136,19 @@ class PostgresTransport:
 
     def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
         """The jobs a batch claim got (sql.BATCH_CLAIM's columns)."""
-        name, deliveries = self.name, []
-        for job_id, body, headers, attempts, contentions, contended_since, given in rows:
+        name, deliveries, job_of = self.name, [], tuple.__new__  # Job(...) without its frame
+        for job_id, body, headers, attempts, contentions, contended_since, given, _ in rows:
             message = Message(
                 str(job_id),
                 body,
                 {str(k): str(v) for k, v in headers.items()} if headers else {},
-                attempts + 1,
+                attempts + 1 if attempts else 1,  # NULL: none yet
                 name,
             )
             # "7" is the entity 7, as the claim locked it
             entity = normalize_entity(given) if type(given) is str else given
-            job = Job(job_id, entity, None if entity is None else True)
-            deliveries.append(Delivery(message, contentions, job, contended_since))
+            job = job_of(Job, (job_id, entity, None if entity is None else True))
+            deliveries.append(Delivery(message, contentions or 0, job, contended_since))
         return deliveries
 
     @staticmethod
