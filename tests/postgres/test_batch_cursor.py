@@ -17,6 +17,7 @@ from dedupworker.db import open_pool
 from dedupworker.outcomes import SUCCEEDED
 from dedupworker.transports.postgres import batches
 from dedupworker.transports.postgres.queue import PostgresTransport
+from tests.support.checked_calls import scalar
 
 pytestmark = pytest.mark.postgres
 
@@ -109,6 +110,4 @@ def test_every_job_is_claimed_once_whatever_moves_behind_the_cursor(
         if step < 15:
             move_behind(conn, ids[199 - step])  # one of the last ones, each step
     assert sorted(seen) == list(range(200))
-    assert not conn.execute(
-        "SELECT count(*) FROM dedupworker.jobs WHERE queue = %s", (QUEUE,)
-    ).fetchone()[0]
+    assert scalar(conn, f"SELECT count(*) FROM dedupworker.jobs WHERE queue = '{QUEUE}'") == 0
