@@ -51,10 +51,10 @@ AHEAD_CHAIN = 1000
 # A claim starts its scan where the thread's last full claim ended (a cursor over run_at), not at
 # the head of the ready index: the head holds the index entries of every job deleted since the
 # table's last vacuum, which a scan from the head walks through (measured over a 200,000-job
-# drain by one thread: 1.6 ms of server time per 100-job claim, 0.6 ms from the cursor). Jobs left behind the cursor
-# (given back by a rollback, passed over while their entity was held, committed late by their
-# producer) are claimed by the next claim from the head: one every CURSOR_SECONDS at least, and
-# every claim after one that came back short.
+# drain by one thread: 1.6 ms of server time per 100-job claim, 0.6 ms from the cursor). Jobs
+# left behind the cursor (given back by a rollback, passed over while their entity was held,
+# committed late by their producer) are claimed by the next claim from the head: one every
+# CURSOR_SECONDS at least, and every claim after one that came back short.
 CURSOR_SECONDS = 1.0
 
 
