@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 
 import psycopg
 
+from bench.batches import spread
 from bench.postgres_throughput import REPO, machine, refill, table
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
@@ -118,12 +118,6 @@ def drain(
     return Window(done / elapsed, worker_cpu / done * 1e6, server_cpu / done * 1e6)
 
 
-def spread(values: list[float], digits: int = 0) -> str:
-    fmt = f"{{:,.{digits}f}}"
-    middle = fmt.format(statistics.median(values))
-    return f"{middle} ({fmt.format(min(values))}..{fmt.format(max(values))})"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="the other source tree")
@@ -177,7 +171,7 @@ def report(
             lines.append(
                 [
                     f"{label}, {processes} process(es)",
-                    spread([w.rate for w in windows]),
+                    spread([w.rate for w in windows], 0),
                     spread([w.worker_us for w in windows], 1),
                     spread([w.server_us for w in windows], 1),
                 ]
