@@ -74,7 +74,7 @@ HANDLERS = '''
             row = conn.execute(
                 "SELECT balance FROM balances WHERE account_id = %s", (payment["account_id"],)
             ).fetchone()
-            time.sleep(0.02)
+            time.sleep(0.1)  # long enough that wrong locks overlap under any load
             conn.execute(
                 "INSERT INTO balances VALUES (%s, %s) ON CONFLICT (account_id)"
                 " DO UPDATE SET balance = excluded.balance",

@@ -44,6 +44,12 @@ log = logging.getLogger("dedupworker")
 
 MAX_DELAY = 900
 MAX_WAIT = 20
+# Under --drain, the receives of the engines that keep many messages (receive_many) do not
+# long-poll: an empty answer sends the worker to its drain check at once, where a long poll
+# would hold every drain's end a poll's length (a second at least) on an empty queue; while the
+# check finds messages left (in flight elsewhere, delayed), the thread waits this long before
+# it receives again.
+DRAIN_RECHECK = 0.2
 DEPTH_INTERVAL = 15.0
 DEPTH = {
     "ApproximateNumberOfMessages": "visible",
@@ -67,6 +73,7 @@ class SqsTransport:
         self.visibility = _visibility(self.options, attributes)
         self.dead_letter_url = self._dead_letter_url(attributes)
         self.wait_seconds = min(MAX_WAIT, max(1, math.ceil(config.poll_interval)))
+        self._short_polls = config.drain  # see DRAIN_RECHECK
         self._receive_options: dict[str, Any] = (
             {"VisibilityTimeout": self.visibility} if self.options.visibility_timeout else {}
         )
@@ -109,7 +116,8 @@ class SqsTransport:
         taken = self._inbox.take_ready(count)
         if taken:
             return taken
-        want, seconds = min(BATCH, max(1, count)), self.wait_seconds if wait else 0
+        long_poll = wait and not self._short_polls
+        want, seconds = min(BATCH, max(1, count)), self.wait_seconds if long_poll else 0
         self._hand_back(self._inbox.add(self._receive_batch(want, seconds)))
         return self._inbox.take_ready(count)
 
@@ -161,7 +169,10 @@ class SqsTransport:
         self._send_then_delete(delivery, request)
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
-        """Nothing to do: receive itself long-polls for up to --poll-interval seconds."""
+        """Nothing to do: receive itself long-polls for up to --poll-interval seconds; under
+        --drain, where receive_many does not, a DRAIN_RECHECK here instead."""
+        if self._short_polls:
+            stop.wait(min(timeout, DRAIN_RECHECK))
 
     def wake_all(self) -> None:
         """The worker is stopping: idle threads return at once, nothing new is started."""
