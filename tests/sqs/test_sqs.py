@@ -273,6 +273,32 @@ def test_errors_name_the_queue_and_the_fix(aws: SqsServer, monkeypatch: pytest.M
         SqsTransport(WorkerConfig(dsn="unused", queue=queues.url, transport="sqs"), None)
 
 
+def test_receive_many_long_polls_except_under_drain(aws: SqsServer) -> None:
+    """The batch and session-lock engines' receive: a long poll of --poll-interval, but none
+    under --drain (an empty queue goes to the drain check at once)."""
+    url = aws.queues().url
+
+    def waits(drain: bool) -> list[int]:
+        config = WorkerConfig(dsn="unused", queue=url, transport="sqs", drain=drain)
+        transport = SqsTransport(config, None)
+        asked: list[int] = []
+        receive = transport.client.receive_message
+
+        def recording(**request: Any) -> Any:
+            asked.append(request["WaitTimeSeconds"])
+            return receive(**request)
+
+        transport.client.receive_message = recording  # the real client, its requests recorded
+        try:
+            assert transport.receive_many(10) == []
+        finally:
+            transport.close()
+        return asked
+
+    assert waits(drain=True) == [0]
+    assert waits(drain=False) == [1]  # --poll-interval's default, rounded up
+
+
 def test_the_cli_reports_a_missing_queue(aws: SqsServer, dsn: str) -> None:
     missing = aws.queues().url + "-missing"
     args = ("run", "examples.recorder:RecordCalls", "--transport", "sqs", "--queue", missing)

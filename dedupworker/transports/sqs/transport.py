@@ -73,7 +73,6 @@ class SqsTransport:
         self.visibility = _visibility(self.options, attributes)
         self.dead_letter_url = self._dead_letter_url(attributes)
         self.wait_seconds = min(MAX_WAIT, max(1, math.ceil(config.poll_interval)))
-        self._short_polls = config.drain  # see DRAIN_RECHECK
         self._receive_options: dict[str, Any] = (
             {"VisibilityTimeout": self.visibility} if self.options.visibility_timeout else {}
         )
@@ -116,7 +115,7 @@ class SqsTransport:
         taken = self._inbox.take_ready(count)
         if taken:
             return taken
-        long_poll = wait and not self._short_polls
+        long_poll = wait and not self.config.drain  # see DRAIN_RECHECK
         want, seconds = min(BATCH, max(1, count)), self.wait_seconds if long_poll else 0
         self._hand_back(self._inbox.add(self._receive_batch(want, seconds)))
         return self._inbox.take_ready(count)
@@ -171,7 +170,7 @@ class SqsTransport:
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
         """Nothing to do: receive itself long-polls for up to --poll-interval seconds; under
         --drain, where receive_many does not, a DRAIN_RECHECK here instead."""
-        if self._short_polls:
+        if self.config.drain:
             stop.wait(min(timeout, DRAIN_RECHECK))
 
     def wake_all(self) -> None:
