@@ -5,8 +5,7 @@ short statements (pipeline mode more still), and a worker runs five to seven per
 they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipeline mode:
 
 - parameters are always bound ($1, $2 ...), never interpolated into the SQL;
-- each statement (those without parameters too: BEGIN, COMMIT, SAVEPOINT, which are then
-  not parsed again) is prepared once per connection under a name derived from its text, on
+- each statement is prepared once per connection under a name derived from its text, on
   connections registered with `configure` (the worker's pool does it), except behind a
   transaction pooler, where every statement is parsed afresh because the next transaction may
   run on another server connection. Those connections leave psycopg's own automatic preparing
@@ -307,7 +306,7 @@ def _send(pgconn: pq.abc.PGconn, queued: list[_Queued], prepared: set[bytes] | N
     preparing: set[bytes] = set()
     send_prepared = pgconn.send_query_prepared
     for statement, values, _ in queued:
-        if prepared is None:
+        if values is None or prepared is None:
             pgconn.send_query_params(statement.text, values)
             continue
         name = statement.name

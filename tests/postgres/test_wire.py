@@ -38,7 +38,7 @@ def test_parameters_and_results_round_trip(conn: psycopg.Connection[Any], prepar
         assert echoed.fetchone() is None
         assert headers.fetchone() == ({"a": "b"}, {})
     names = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
-    assert names == ((4,) if prepare else (0,))  # BEGIN and COMMIT too
+    assert names == ((2,) if prepare else (0,))
 
 
 def test_many_rows_come_back_in_order(prepared: psycopg.Connection[Any]) -> None:
@@ -104,7 +104,7 @@ def test_a_rollback_through_psycopg_keeps_the_prepared_statements(
         pass
     prepared.execute("ROLLBACK")
     names = prepared.execute("SELECT name FROM pg_prepared_statements").fetchall()
-    assert len(names) == 2 and all(name.startswith("dedupworker_") for (name,) in names)
+    assert len(names) == 1 and names[0][0].startswith("dedupworker_")
 
 
 def test_a_dead_connection_raises_operational_error(prepared: psycopg.Connection[Any]) -> None:
