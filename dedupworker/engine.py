@@ -114,7 +114,8 @@ class Host(Protocol):
     stop_event: threading.Event
 
     def progressed(self) -> None:
-        """The engine went round its loop (the liveness probe's heartbeat)."""
+        """The engine moved a message on: took one, or one ended (the liveness probe's
+        heartbeat)."""
 
     def idle(self, engine: Serves) -> None:
         """Nothing ready and nothing in flight: the drain check, then a wait for work."""
@@ -137,5 +138,11 @@ class Serves(Protocol):
 
     def serve(self, host: Host) -> None:
         """Run until the host's stop_event is set, then finish the calls in flight."""
+
+    def in_hand(self) -> int:
+        """Messages taken and not yet ended (running, or waiting for their turn)."""
+
+    def ready(self) -> bool:
+        """Whether it can take work now (the session-lock engine: a lock session is open)."""
 
     def close(self) -> None: ...

@@ -17,7 +17,7 @@ lock session was lost, every method raises `SessionLost`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -31,11 +31,12 @@ Params = tuple[Any, ...] | list[Any] | dict[str, Any] | None
 
 
 class _Writes:
-    """The writes a call queued, and whether its lock is still held."""
+    """The writes a call queued; `writable` says whether its call may still queue any (its
+    state: not once its lock session was lost)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writable: Callable[[], bool]) -> None:
         self.writes: list[tuple[Query, Params]] = []
-        self.cut = False  # the call's lock session was lost
+        self._writable = writable
         # The first row of the handler's `lock_read`, read on the lock session right after the
         # entity's lock, in the same round trip (None: no such read, or no row).
         self.locked_row: tuple[Any, ...] | None = None
@@ -46,13 +47,13 @@ class _Writes:
         self.writes.append((query, params))
 
     def _check(self) -> None:
-        if self.cut:
+        if not self._writable():
             raise SessionLost("this call's lock session was lost: nothing more is written")
 
 
 class AsyncCallConnection(_Writes):
-    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
-        super().__init__()
+    def __init__(self, pool: AsyncConnectionPool[Any], writable: Callable[[], bool]) -> None:
+        super().__init__(writable)
         self._pool = pool
 
     async def fetchone(self, query: Query, params: Params = None) -> tuple[Any, ...] | None:
@@ -74,8 +75,8 @@ class AsyncCallConnection(_Writes):
 
 
 class CallConnection(_Writes):
-    def __init__(self, pool: ConnectionPool[Any]) -> None:
-        super().__init__()
+    def __init__(self, pool: ConnectionPool[Any], writable: Callable[[], bool]) -> None:
+        super().__init__(writable)
         self._pool = pool
 
     def fetchone(self, query: Query, params: Params = None) -> tuple[Any, ...] | None:

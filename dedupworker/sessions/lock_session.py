@@ -134,9 +134,15 @@ class LockSession:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, dsn: str, index: int, application_name: str) -> LockSession:
+    async def open(
+        cls, dsn: str, index: int, application_name: str, connect_timeout: float = 5.0
+    ) -> LockSession:
         conn = await psycopg.AsyncConnection.connect(
-            dsn, autocommit=True, application_name=application_name, **TCP_SETTINGS
+            dsn,
+            autocommit=True,
+            application_name=application_name,
+            connect_timeout=max(1, round(connect_timeout)),
+            **TCP_SETTINGS,
         )
         session = cls(conn, index)
         session._task = asyncio.get_running_loop().create_task(session.run())
@@ -241,12 +247,17 @@ class LockSession:
             await self._guard(guards)
         for work, done in uses:
             try:
-                done.set_result(await self._deadline(work(self.conn)))
+                result = await self._deadline(work(self.conn))
             except psycopg.Error as exc:
                 if self._broken():
-                    done.set_exception(SessionLost(str(exc)))
+                    _fail(done, SessionLost(str(exc)))
                     raise
-                done.set_exception(exc)
+                _fail(done, exc)
+                continue
+            if not _resolve(done, result):
+                # Its caller gave up meanwhile: what `work` took (claims) has no owner, and
+                # only the session's end gives back what this session cannot name.
+                raise SessionLost("a claim's caller left before its answer")
         self._in_round = ([], [])
         self.alive_at = time.monotonic()
 
@@ -367,7 +378,8 @@ class LockSession:
                 )
                 for j, lock in enumerate(request.items)
             ]
-            _resolve(request.done, items)
+            if not _resolve(request.done, items):  # its caller left: the keys go back
+                self._orphaned([i.resolved for i in items if i.resolved is not None])
             start += len(request.items)
 
     async def _read(
@@ -394,8 +406,16 @@ class LockSession:
         start = 0
         for request in requests:
             count = len(request.items)
-            _resolve(request.done, [start + j in held for j in range(count)])
+            if not _resolve(request.done, [start + j in held for j in range(count)]):
+                self._orphaned([k for j, k in enumerate(request.items) if start + j in held])
             start += count
+
+    def _orphaned(self, keys: list[Resolved]) -> None:
+        """Holds granted to a caller that was cancelled before its answer (a call cut off
+        mid-lock, a shutdown): given back with the next round, or they would stay held by
+        nobody for as long as the session lives."""
+        if keys:
+            self._unlocks.append(_Request(keys, asyncio.get_running_loop().create_future()))
 
     # --- loss --------------------------------------------------------------------------------
 
@@ -475,9 +495,12 @@ def _columns(keys: Sequence[Resolved]) -> tuple[list[int], list[int | None], lis
     return [key.ns for key in keys], [key.k for key in keys], [key.single for key in keys]
 
 
-def _resolve(done: asyncio.Future[Any], value: Any) -> None:
-    if not done.done():
-        done.set_result(value)
+def _resolve(done: asyncio.Future[Any], value: Any) -> bool:
+    """Answer `done`; False if its caller had left (cancelled) already."""
+    if done.done():
+        return not done.cancelled()
+    done.set_result(value)
+    return True
 
 
 def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:

@@ -29,11 +29,15 @@ class WorkerProcesses:
         self.killed: set[int] = set()
         self.reaped = 0
 
+    cwd = ROOT
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "dedupworker", "--log-level", "INFO", "run", *self.args]
+
     def spawn(self) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "dedupworker", "--log-level", "INFO", "run", *self.args]
         with open(self._log_path(len(self.procs)), "wb") as err:
             proc = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=err
+                self.command(), cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=err
             )
         self.procs.append(proc)
         return proc
