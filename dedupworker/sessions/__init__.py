@@ -4,6 +4,6 @@
 
 from .connection import AsyncCallConnection, CallConnection
 from .engine import SessionEngine
-from .lock_session import SessionLost
+from .statements import SessionLost
 
 __all__ = ["AsyncCallConnection", "CallConnection", "SessionEngine", "SessionLost"]

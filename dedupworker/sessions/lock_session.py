@@ -27,14 +27,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
-from psycopg.pq import ConnStatus
 
-from .. import sql
-from ..keys import SessionKey
+from . import statements
+from .statements import Lock, Locked, Resolved, SessionLost, Settlement, SettlementFailed
+
+__all__ = [
+    "Lock",
+    "LockSession",
+    "Locked",
+    "Resolved",
+    "SessionLost",
+    "Settlement",
+    "SettlementFailed",
+]
 
 log = logging.getLogger("dedupworker")
 
@@ -54,55 +62,6 @@ TCP_SETTINGS: dict[str, Any] = {
     "keepalives_count": 2,
     "tcp_user_timeout": 2000,
 }
-
-
-class SessionLost(Exception):
-    """The lock session ended: its locks are gone, nothing more commits on it."""
-
-
-class Lock(NamedTuple):
-    """A key to lock, the ledger key (scope, key) to look up once it is locked, if any, and
-    the handler's read to run under the lock (`Handler.lock_read`), if any."""
-
-    key: SessionKey
-    dedup: tuple[str, str] | None
-    read: tuple[Any, Any] | None = None
-
-
-class Locked(NamedTuple):
-    resolved: Resolved | None  # None: held elsewhere
-    seen: bool  # the ledger has the dedup key
-    row: tuple[Any, ...] | None = None  # the first row of the lock's read
-    failed: psycopg.Error | None = None  # the lock's read failed
-
-
-class Resolved(NamedTuple):
-    """A key as PostgreSQL's lock functions take it: (ns, k), or the one bigint `single`."""
-
-    ns: int
-    k: int | None
-    single: int | None
-
-
-@dataclass(eq=False)
-class Settlement:
-    """One message's settlement: statements (already bound) committed together, then the
-    unlocks of its keys on this session."""
-
-    statements: list[str]
-    keys: list[Resolved]
-    jobs: list[int]
-    done: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-class SettlementFailed(Exception):
-    """A settlement's statements failed on their own (a constraint, a handler's bad SQL)."""
-
-    def __init__(self, error: psycopg.Error) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 class _Request(NamedTuple):
@@ -300,7 +259,7 @@ class LockSession:
         alone (the round trip of many stays the common case)."""
         if len(settlements) > 1:
             try:
-                await self._send(_transaction(settlements))
+                await self._send(statements.transaction(settlements))
             except psycopg.Error:
                 if self._broken():
                     raise
@@ -311,7 +270,7 @@ class LockSession:
                 return
         for settlement in settlements:
             try:
-                await self._send(_transaction([settlement]))
+                await self._send(statements.transaction([settlement]))
             except psycopg.Error as exc:
                 if self._broken():
                     raise
@@ -328,81 +287,25 @@ class LockSession:
         await self._deadline(self.conn.execute("ROLLBACK"))
 
     async def _send_unlocks(self, unlocks: list[_Request], job_unlocks: list[_Request]) -> None:
-        requests = unlocks + job_unlocks
         keys = [key for request in unlocks for key in request.items]
         jobs = [job for request in job_unlocks for job in request.items]
-        async with self.conn.pipeline():
-            if keys:
-                await self.conn.execute(sql.SESSION_UNLOCK, _columns(keys))
-            if jobs:
-                await self.conn.execute(sql.SESSION_JOB_UNLOCK, (jobs,))
-        for request in requests:
+        await self._deadline(statements.unlock(self.conn, keys, jobs))
+        for request in unlocks + job_unlocks:
             _resolve(request.done, None)
 
     async def _lock(self, requests: list[_Request]) -> None:
-        """sql.SESSION_LOCK, then (in the same round trip, in a snapshot taken after the locks,
-        so that it sees every committed call of the entity) sql.SESSION_SEEN."""
         locks: list[Lock] = [lock for request in requests for lock in request.items]
-        keys = [lock.key for lock in locks]
-        columns = (
-            [key.namespace for key in keys],
-            [key.number for key in keys],
-            [key.text for key in keys],
-            [key.wide for key in keys],
-        )
-        ledger = [lock for lock in locks if lock.dedup is not None]
-        async with self.conn.pipeline():
-            locked = await self.conn.execute(sql.SESSION_LOCK, columns)
-            if ledger:
-                scopes = [lock.dedup[0] for lock in ledger if lock.dedup]
-                dedups = [lock.dedup[1] for lock in ledger if lock.dedup]
-                looked_up = await self.conn.execute(sql.SESSION_SEEN, (scopes, dedups))
-
-        taken: dict[int, Resolved] = {
-            int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await locked.fetchall()
-        }
-        seen = (
-            {(str(scope), str(key)) for scope, key in await looked_up.fetchall()}
-            if ledger
-            else set()
-        )
-        rows, failed = await self._read(locks)
+        answers = await self._deadline(statements.lock_keys(self.conn, locks))
         start = 0
         for request in requests:
-            items = [
-                Locked(
-                    taken.get(start + j),
-                    lock.dedup is not None and lock.dedup in seen,
-                    rows.get(start + j),
-                    failed if lock.read is not None else None,
-                )
-                for j, lock in enumerate(request.items)
-            ]
+            items = answers[start : start + len(request.items)]
             if not _resolve(request.done, items):  # its caller left: the keys go back
                 self._orphaned([i.resolved for i in items if i.resolved is not None])
             start += len(request.items)
 
-    async def _read(
-        self, locks: list[Lock]
-    ) -> tuple[dict[int, tuple[Any, ...] | None], psycopg.Error | None]:
-        """The handlers' reads under the locks (Handler.lock_read), in one more pipeline of
-        the same round: an error of theirs fails those calls, never the session."""
-        wanted = [(index, lock.read) for index, lock in enumerate(locks) if lock.read]
-        if not wanted:
-            return {}, None
-        try:
-            async with self.conn.pipeline():
-                cursors = [(i, await self.conn.cursor().execute(*read)) for i, read in wanted]
-            return {i: await cursor.fetchone() for i, cursor in cursors}, None
-        except psycopg.Error as exc:
-            if self._broken():
-                raise
-            return {}, exc
-
     async def _guard(self, requests: list[_Request]) -> None:
         keys: list[Resolved] = [key for request in requests for key in request.items]
-        cursor = await self._deadline(self.conn.execute(sql.SESSION_GUARD, _columns(keys)))
-        held = {int(row[0]) - 1 for row in await cursor.fetchall()}
+        held = await self._deadline(statements.guard_keys(self.conn, keys))
         start = 0
         for request in requests:
             count = len(request.items)
@@ -420,7 +323,7 @@ class LockSession:
     # --- loss --------------------------------------------------------------------------------
 
     def _broken(self) -> bool:
-        return self.conn.closed or self.conn.pgconn.status == ConnStatus.BAD
+        return statements.broken(self.conn)
 
     def _check(self) -> None:
         if self.lost:
@@ -466,33 +369,6 @@ class LockSession:
         pending.append(_Request(items, done))
         self._wake.set()
         return await done
-
-
-def _transaction(settlements: list[Settlement]) -> str:
-    """BEGIN, the settlements' statements, COMMIT and their unlocks, as one simple query."""
-    keys = [key for settlement in settlements for key in settlement.keys]
-    jobs = [job for settlement in settlements for job in settlement.jobs]
-    parts = ["BEGIN", *(s for settlement in settlements for s in settlement.statements), "COMMIT"]
-    if keys:
-        ns, k, single = _columns(keys)
-        parts.append(_bound(sql.SESSION_UNLOCK, ns, k, single))
-    if jobs:
-        parts.append(_bound(sql.SESSION_JOB_UNLOCK, jobs))
-    return ";\n".join(parts)
-
-
-def _bound(query: str, *arrays: list[Any]) -> str:
-    """`query` with its array parameters as SQL literals (what a simple query needs)."""
-    return query % tuple(_array_literal(values) for values in arrays)
-
-
-def _array_literal(values: list[Any]) -> str:
-    items = ",".join("NULL" if value is None else str(int(value)) for value in values)
-    return "'{" + items + "}'"
-
-
-def _columns(keys: Sequence[Resolved]) -> tuple[list[int], list[int | None], list[int | None]]:
-    return [key.ns for key in keys], [key.k for key in keys], [key.single for key in keys]
 
 
 def _resolve(done: asyncio.Future[Any], value: Any) -> bool:

@@ -23,7 +23,8 @@ from .. import metrics
 from ..db import retryable
 from ..errors import DatabaseUnavailable
 from .call import SessionCall
-from .lock_session import LockSession, Resolved, SessionLost
+from .lock_session import LockSession
+from .statements import Resolved, SessionLost
 
 log = logging.getLogger("dedupworker")
 

@@ -39,9 +39,10 @@ from ..outcomes import DUPLICATE, Outcome, Verdict, identify, on_contended, on_f
 from ..recording import Recorder
 from .call import CallState, SessionCall
 from .connection import AsyncCallConnection, CallConnection
-from .lock_session import Lock, LockSession, SessionLost, Settlement, SettlementFailed
+from .lock_session import LockSession
 from .manager import LockSessions
 from .sources import Source
+from .statements import Lock, SessionLost, Settlement, SettlementFailed
 from .turns import AsyncTurns
 
 log = logging.getLogger("dedupworker")
@@ -236,7 +237,14 @@ class CallPath:
         return verdict
 
     async def _commit(self, call: SessionCall, verdict: Verdict, writes: bool = True) -> None:
-        statements = self._statements(call, verdict, writes)
+        statements = _statements(
+            self.handler,
+            self.source,
+            call,
+            verdict,
+            writes=writes,
+            after_settle=self._after_settle,
+        )
         keys = [call.resolved] if call.resolved is not None else []
         jobs = self.source.jobs(call.delivery)
         if not (statements or keys or jobs):
@@ -249,26 +257,6 @@ class CallPath:
         if call.resolved is not None:
             call.resolved = None
             self._locks_changed(-1)
-
-    def _statements(
-        self, call: SessionCall, verdict: Verdict, writes: bool
-    ) -> list[tuple[Any, Any]]:
-        """In the transaction engine's order: the ledger record, the call's writes (kept
-        outcomes only), the source's settling statements, then `after_settle`'s writes."""
-        conn = call.call_conn
-        queued: list[tuple[Any, Any]] = []
-        if verdict.record is not None:
-            queued.append((sql.DEDUP_RECORD, (self.handler.ledger_scope, verdict.record)))
-        if conn is not None and writes and verdict.outcome in _KEPT:
-            queued.extend(conn.writes)
-        queued.extend(self.source.statements(call.delivery, verdict))
-        if conn is not None:
-            conn.writes.clear()
-            if self._after_settle:
-                self.handler.after_settle(call.delivery.message, verdict.outcome, conn)  # type: ignore[arg-type]
-                queued.extend(conn.writes)
-                conn.writes.clear()
-        return queued
 
     # --- end --------------------------------------------------------------------------------
 
@@ -352,6 +340,33 @@ class CallPath:
     def _locks_changed(self, delta: int) -> None:
         if self.observe:
             self._m_locks.inc(delta)
+
+
+def _statements(
+    handler: Handler,
+    source: Source,
+    call: SessionCall,
+    verdict: Verdict,
+    *,
+    writes: bool,
+    after_settle: bool,
+) -> list[tuple[Any, Any]]:
+    """In the transaction engine's order: the ledger record, the call's writes (kept outcomes
+    only), the source's settling statements, then the handler's `after_settle` writes."""
+    conn = call.call_conn
+    queued: list[tuple[Any, Any]] = []
+    if verdict.record is not None:
+        queued.append((sql.DEDUP_RECORD, (handler.ledger_scope, verdict.record)))
+    if conn is not None and writes and verdict.outcome in _KEPT:
+        queued.extend(conn.writes)
+    queued.extend(source.statements(call.delivery, verdict))
+    if conn is not None:
+        conn.writes.clear()
+        if after_settle:
+            handler.after_settle(call.delivery.message, verdict.outcome, conn)  # type: ignore[arg-type]
+            queued.extend(conn.writes)
+            conn.writes.clear()
+    return queued
 
 
 def _done() -> asyncio.Future[None]:

@@ -8,7 +8,7 @@ import collections
 from collections.abc import Hashable
 
 from .call import SessionCall
-from .lock_session import SessionLost
+from .statements import SessionLost
 
 
 class AsyncTurns:

@@ -9,7 +9,7 @@ import pytest
 from dedupworker import ConfigurationError, Handler, Message
 from dedupworker.handler import validate_handler
 from dedupworker.keys import SessionKey, lock_key, session_key
-from dedupworker.sessions.lock_session import Resolved, Settlement, _transaction
+from dedupworker.sessions.statements import Resolved, Settlement, transaction
 
 
 class Entity(Handler):
@@ -74,7 +74,7 @@ def test_settlements_commit_together_then_unlock_their_keys() -> None:
     )
     two = Settlement.__new__(Settlement)
     two.statements, two.keys, two.jobs = ["INSERT INTO t VALUES (2)"], [Resolved(5, None, -9)], []
-    text = _transaction([one, two])
+    text = transaction([one, two])
     statements = text.split(";\n")
     assert statements[:4] == [
         "BEGIN",
