@@ -392,7 +392,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for handler in handlers:
         validate_handler(handler)
     singletons = [obj for obj in loaded if isinstance(obj, Singleton)]
-    return Worker(handlers, config, singletons).run()
+    return Worker(handlers, config, singletons).run(owns_process=True)
 
 
 def _connect(args: argparse.Namespace) -> Any:

@@ -48,12 +48,18 @@ class WorkerConfig:
     )
     metrics_port: int | None = _flag(
         None,
-        "serve /metrics (Prometheus), /healthz (alive), /readyz (database reachable) and /hot "
-        "(JSON: the most contended entity keys per handler) on this port; 0 picks a free one",
+        "serve /metrics (Prometheus), /healthz (alive: progress within --health-bound), /readyz "
+        "(database reachable, lock sessions open) and /hot (JSON: the most contended entity keys "
+        "per handler) on this port; 0 picks a free one",
     )
     drain: bool = _flag(False, "exit 0 once nothing is ready, delayed or in flight")
     shutdown_timeout: float = _flag(30.0, "seconds in-flight handlers get to finish after SIGTERM")
     poll_interval: float = _flag(1.0, "seconds between polls when no NOTIFY arrives")
+    health_bound: float = _flag(
+        60.0,
+        "seconds without progress, while messages wait, after which /healthz fails; must exceed "
+        "the longest handler call",
+    )
     connect_timeout: float = _flag(
         30.0, "seconds to keep retrying an unreachable database", run=False
     )
@@ -98,7 +104,7 @@ class WorkerConfig:
                 "--lock-sessions and --read-connections must be >= 1 "
                 f"(got {self.lock_sessions} and {self.read_connections})"
             )
-        for name in ("shutdown_timeout", "poll_interval", "connect_timeout"):
+        for name in ("shutdown_timeout", "poll_interval", "connect_timeout", "health_bound"):
             if getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")

@@ -118,7 +118,8 @@ class Host(Protocol):
         heartbeat)."""
 
     def idle(self, engine: Serves) -> None:
-        """Nothing ready and nothing in flight: the drain check, then a wait for work."""
+        """Nothing ready and nothing in flight: the drain check, then a wait for work (the
+        liveness probe counts it as progress: an engine that finds no work is not stuck)."""
 
 
 @runtime_checkable

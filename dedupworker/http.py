@@ -1,4 +1,7 @@
-"""The worker's HTTP endpoint: /metrics, /healthz (alive), /readyz (database reachable)."""
+"""The worker's HTTP endpoint: /metrics, /healthz (alive), /readyz (able to take work), /hot.
+
+The probes only read what the worker keeps (dedupworker.health): nothing here waits on the
+database but /readyz's `SELECT 1` (2 s at most)."""
 
 from __future__ import annotations
 

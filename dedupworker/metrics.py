@@ -35,7 +35,12 @@ WORKER_INFO = Gauge(
 )
 HEARTBEAT = Gauge(
     "dedupworker_loop_heartbeat_timestamp_seconds",
-    "Unix time a handler thread last went round its loop.",
+    "Unix time an engine last moved a message on (a handler thread: went round its loop).",
+)
+SECONDS_SINCE_PROGRESS = Gauge(
+    "dedupworker_seconds_since_progress",
+    "Seconds since an engine of this worker last moved a message on or found nothing to do "
+    "(0 while one waits for work); /healthz fails past --health-bound while messages wait.",
 )
 IN_FLIGHT = Gauge(
     "dedupworker_in_flight",

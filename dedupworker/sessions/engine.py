@@ -221,6 +221,8 @@ class SessionEngine:
             if taken:
                 host.progressed()
                 continue
+            if taken is None:  # no lock session open: no work can be done, nor looked for
+                continue
             if not self._calls:
                 await self._idle(host)
                 continue
@@ -252,12 +254,13 @@ class SessionEngine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._room.wait(), self.config.poll_interval)
 
-    async def _take(self, room: int) -> int:
+    async def _take(self, room: int) -> int | None:
+        """Messages taken (None: none can be, no lock session being open)."""
         claims = self._source.claims_on_sessions
         session = self.sessions.pick() if claims else None
         if claims and session is None:
-            await asyncio.sleep(0.1)  # no session open now: the keeper reopens them
-            return 0
+            await asyncio.sleep(0.1)  # the keeper reopens them; no progress meanwhile
+            return None
         try:
             assert self.path.read_pool is not None
             deliveries = await self._source.take(session, room, self.path.read_pool)
@@ -285,10 +288,12 @@ class SessionEngine:
             self._late_ends.add(ending)  # a task nobody references may be collected mid-way
             ending.add_done_callback(self._late_ends.discard)
 
-    def _ended(self, call: SessionCall) -> None:
+    def _ended(self, call: SessionCall, settled: bool) -> None:
+        """A call ended; only a settled one is progress (a call given back because no lock
+        session is open is not)."""
         self._calls.pop(call, None)
         self._room.set()
-        if self._host is not None:
+        if settled and self._host is not None:
             self._host.progressed()
 
     def _cut(self, call: SessionCall, session: LockSession) -> None:

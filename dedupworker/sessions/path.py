@@ -63,7 +63,7 @@ class CallPath:
         recorder: Recorder,
         concurrency: int,
         threads: Executor | None,
-        ended: Callable[[SessionCall], None],
+        ended: Callable[[SessionCall, bool], None],
     ) -> None:
         self.handler = handler
         self.source = source
@@ -274,9 +274,9 @@ class CallPath:
                 with contextlib.suppress(SessionLost):
                     await asyncio.gather(*released)
         finally:
-            self._forget(call)
+            self._forget(call, settled=was is S.SETTLED)
 
-    def _forget(self, call: SessionCall) -> None:
+    def _forget(self, call: SessionCall, *, settled: bool) -> None:
         self.turns.end(call)
         slot, call.slot = call.slot, None
         if slot is not None:
@@ -285,7 +285,7 @@ class CallPath:
             self.sessions.leave(call, session)
         self.source.forget(call.delivery)
         call.move(S.ENDED)
-        self._ended(call)
+        self._ended(call, settled)
 
     def _release_guard(self, call: SessionCall) -> asyncio.Future[None]:
         guard, call.guard = call.guard, None

@@ -927,7 +927,7 @@ def test_alert_rules_cover_contention_dead_letters_and_stalls() -> None:
     assert 'outcome="contended"' in storm
     assert 'outcome="dead_lettered"' in rules["DedupworkerDeadLettersGrowing"]["expr"]
     assert metric_names(rules["DedupworkerWorkerStalled"]["expr"]) == {
-        "dedupworker_loop_heartbeat_timestamp_seconds"
+        "dedupworker_seconds_since_progress"
     }
     assert "dedupworker_queue_depth" in metric_names(rules["DedupworkerNoProgress"]["expr"])
 
