@@ -1,0 +1,66 @@
+"""The session-lock engine over SQS while the database fails: lock sessions terminated, the
+workers' connections to PostgreSQL cut, PostgreSQL restarted (tests/support/db_faults.py).
+
+Two `--drain` workers with async or plain-function handlers (`dedupworker.checking`'s, as in
+the postgres fault suites) reach PostgreSQL through a relay; the independent checker, reading
+directly, finds no overlap, no loss and no effect applied twice, and both workers drain and
+exit 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker.checking import check, create_session_tables, overlapping_calls
+from tests.sqs.test_sessions_sqs import Workers, send
+from tests.support.db_faults import DatabaseFaults
+from tests.support.proxy import Proxy
+from tests.support.sqs_server import SqsServer
+from tests.support.worker_processes import injecting
+
+pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
+
+HANDLERS = {
+    "async": "dedupworker.checking:SessionCheckedHandler",
+    "threads": "dedupworker.checking:SessionCheckedThreadHandler",
+}
+ENTITIES = 6
+
+
+@pytest.mark.parametrize("kind", sorted(HANDLERS))
+def test_database_faults_under_session_workers_over_sqs(
+    sqs: SqsServer, dsn: str, pg_server: Any, tmp_path: Path, kind: str
+) -> None:
+    # moto slows down with a backlog: fewer messages there, the same faults.
+    count = 1500 if sqs.kind == "ministack" else 300
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_session_tables(conn)
+    queues = sqs.queues(visibility=5, max_receive_count=5)
+    bodies = [{"msg": str(i), "entity": i % ENTITIES, "work_ms": 30} for i in range(count)]
+    send(sqs, queues.url, bodies)
+    proxy = Proxy(pg_server.port)
+    through = dsn.replace(f":{pg_server.port}/", f":{proxy.port}/")
+    workers = Workers(sqs, through, queues.url, tmp_path, concurrency=20)
+    workers.env["DEDUPWORKER_CHECK_DSN"] = dsn
+    workers.common += ["--lock-sessions", "2", "--lock-dsn", through]
+    faults = DatabaseFaults(dsn, pg_server, proxy)
+    try:
+        for _ in range(2):
+            workers.run(HANDLERS[kind])
+        with injecting(faults):
+            workers.wait()
+    finally:
+        workers.stop_all()
+        proxy.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        report = check(conn, [body["msg"] for body in bodies])
+        overlapping = overlapping_calls(conn)
+    print(report.as_dict(), faults.done)
+    assert faults.done, "no fault came while the workers ran"
+    assert report.overlaps == 0, overlapping
+    assert report.lost == 0, report
+    assert report.duplicate_effects == 0, report
