@@ -12,6 +12,8 @@ guards, or unlocks) the keys of many calls and one transaction commits many sett
     lock      sql.SESSION_LOCK: taken exclusively, then held shared (see sql.py)
     guard     sql.SESSION_GUARD: the shared hold that keeps a key while the primary dies
     use       anything else, one caller at a time (the postgres queue's claims)
+    confirm   nothing of its own: answered once the session answered a round trip sent after
+              it (a call's guard joined the primary's hold only if the primary lived on)
 
 While idle the session pings every PING_EVERY seconds and watches its socket, so that a
 terminated backend, a restarted server or a cut connection is noticed at once (or, for a
@@ -26,12 +28,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import psycopg
 
 from . import statements
+from .requests import Requests, _fail, _Request, _resolve
 from .statements import Lock, Locked, Resolved, SessionLost, Settlement, SettlementFailed
 
 __all__ = [
@@ -64,32 +67,15 @@ TCP_SETTINGS: dict[str, Any] = {
 }
 
 
-class _Request(NamedTuple):
-    items: Sequence[Any]
-    done: asyncio.Future[Any]
-
-
-class LockSession:
+class LockSession(Requests):
     """A lock session of one engine; `index` names it in logs and application_name."""
 
     def __init__(self, conn: psycopg.AsyncConnection[Any], index: int) -> None:
+        super().__init__(index)
         self.conn = conn
-        self.index = index
         self.pid = conn.info.backend_pid
-        self.lost = False
         self.alive_at = time.monotonic()  # the last moment the session was known to be alive
         self.on_lost: Callable[[LockSession], None] = lambda session: None
-        self._settlements: list[Settlement] = []
-        self._locks: list[_Request] = []
-        self._guards: list[_Request] = []
-        self._unlocks: list[_Request] = []
-        self._job_unlocks: list[_Request] = []
-        self._uses: list[
-            tuple[Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]], asyncio.Future[Any]]
-        ] = []
-        self._wake = asyncio.Event()
-        # What the current round took and has not answered yet: (asked, to release).
-        self._in_round: tuple[list[asyncio.Future[Any]], list[asyncio.Future[None]]] = ([], [])
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -108,52 +94,6 @@ class LockSession:
         return session
 
     # --- what callers ask for --------------------------------------------------------------
-
-    async def lock(self, keys: Sequence[Lock]) -> list[Locked]:
-        """Lock each key (exclusively, then held shared) and, once locked, look its ledger key
-        up: its resolved form (None where it is held elsewhere) and whether the ledger has it."""
-        result: list[Locked] = await self._ask(self._locks, keys)
-        return result
-
-    async def guard(self, keys: Sequence[Resolved]) -> list[bool]:
-        """Join the shared hold of each key (taken by `lock` on another session)."""
-        result: list[bool] = await self._ask(self._guards, keys)
-        return result
-
-    def unlock(
-        self, keys: Sequence[Resolved] = (), jobs: Sequence[int] = ()
-    ) -> asyncio.Future[None]:
-        """Give keys (shared holds) and job claims back with the session's next round trip;
-        the future is done once they are (a lost session gave them back already)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self.lost:
-            done.set_result(None)
-            return done
-        if keys:
-            self._unlocks.append(_Request(keys, done))
-        if jobs:
-            self._job_unlocks.append(_Request(jobs, done))
-        if not (keys or jobs):
-            done.set_result(None)
-        self._wake.set()
-        return done
-
-    async def settle(self, settlement: Settlement) -> None:
-        """Commit the settlement, then unlock its keys; SettlementFailed if its own statements
-        failed (nothing of it committed, its keys still held), SessionLost if the session
-        went."""
-        self._check()
-        self._settlements.append(settlement)
-        self._wake.set()
-        await settlement.done
-
-    async def use(self, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
-        """Run `work` on the session's connection, between its batched commands."""
-        self._check()
-        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._uses.append((work, done))
-        self._wake.set()
-        return await done
 
     async def close(self) -> None:
         """End the session (its locks go with it)."""
@@ -190,10 +130,12 @@ class LockSession:
         locks, self._locks = self._locks, []
         guards, self._guards = self._guards, []
         uses, self._uses = self._uses, []
+        confirms, self._confirms = self._confirms, []
         self._in_round = (
             [s.done for s in settlements]
             + [r.done for r in [*locks, *guards]]
-            + [done for _, done in uses],
+            + [done for _, done in uses]
+            + confirms,
             [r.done for r in [*unlocks, *job_unlocks]],
         )
         if settlements:
@@ -205,20 +147,32 @@ class LockSession:
         if guards:
             await self._guard(guards)
         for work, done in uses:
-            try:
-                result = await self._deadline(work(self.conn))
-            except psycopg.Error as exc:
-                if self._broken():
-                    _fail(done, SessionLost(str(exc)))
-                    raise
-                _fail(done, exc)
-                continue
-            if not _resolve(done, result):
-                # Its caller gave up meanwhile: what `work` took (claims) has no owner, and
-                # only the session's end gives back what this session cannot name.
-                raise SessionLost("a claim's caller left before its answer")
+            await self._use(work, done)
+        if confirms:
+            if not (settlements or unlocks or job_unlocks or locks or guards or uses):
+                await self._deadline(self.conn.execute("SELECT 1"))
+            for done in confirms:
+                _resolve(done, None)
         self._in_round = ([], [])
         self.alive_at = time.monotonic()
+
+    async def _use(
+        self,
+        work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]],
+        done: asyncio.Future[Any],
+    ) -> None:
+        try:
+            result = await self._deadline(work(self.conn))
+        except psycopg.Error as exc:
+            if self._broken():
+                _fail(done, SessionLost(str(exc)))
+                raise
+            _fail(done, exc)
+            return
+        if not _resolve(done, result):
+            # Its caller gave up meanwhile: what `work` took (claims) has no owner, and only
+            # the session's end gives back what this session cannot name.
+            raise SessionLost("a claim's caller left before its answer")
 
     async def _idle(self) -> None:
         """Wait for work; meanwhile ping, and watch the socket for the server's goodbye (a
@@ -236,16 +190,6 @@ class LockSession:
             if self._pending():
                 return
             await self._ping()
-
-    def _pending(self) -> bool:
-        return bool(
-            self._settlements
-            or self._unlocks
-            or self._job_unlocks
-            or self._locks
-            or self._guards
-            or self._uses
-        )
 
     async def _ping(self) -> None:
         await asyncio.wait_for(self.conn.execute("SELECT 1"), PING_DEADLINE)
@@ -313,21 +257,8 @@ class LockSession:
                 self._orphaned([k for j, k in enumerate(request.items) if start + j in held])
             start += count
 
-    def _orphaned(self, keys: list[Resolved]) -> None:
-        """Holds granted to a caller that was cancelled before its answer (a call cut off
-        mid-lock, a shutdown): given back with the next round, or they would stay held by
-        nobody for as long as the session lives."""
-        if keys:
-            self._unlocks.append(_Request(keys, asyncio.get_running_loop().create_future()))
-
-    # --- loss --------------------------------------------------------------------------------
-
     def _broken(self) -> bool:
         return statements.broken(self.conn)
-
-    def _check(self) -> None:
-        if self.lost:
-            raise SessionLost(f"lock session {self.index} was lost")
 
     def _lose(self, exc: BaseException) -> None:
         self.lost = True
@@ -341,44 +272,3 @@ class LockSession:
         )
         self._fail(SessionLost(f"lock session {self.index} lost: {exc}"))
         self.on_lost(self)
-
-    def _fail(self, exc: Exception) -> None:
-        self.lost = True
-        asked, released = self._in_round
-        self._in_round = ([], [])
-        for done in asked:
-            _fail(done, exc)
-        for done in released:
-            _resolve(done, None)  # the session's end released them
-        settlements, self._settlements = self._settlements, []
-        for settlement in settlements:
-            _fail(settlement.done, exc)
-        for request in [*self._locks, *self._guards]:
-            _fail(request.done, exc)
-        for request in [*self._unlocks, *self._job_unlocks]:
-            _resolve(request.done, None)  # the session's end released them
-        self._locks, self._guards = [], []
-        for _, done in self._uses:
-            _fail(done, exc)
-        self._uses = []
-        self._unlocks, self._job_unlocks = [], []
-
-    async def _ask(self, pending: list[_Request], items: Sequence[Any]) -> Any:
-        self._check()
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        pending.append(_Request(items, done))
-        self._wake.set()
-        return await done
-
-
-def _resolve(done: asyncio.Future[Any], value: Any) -> bool:
-    """Answer `done`; False if its caller had left (cancelled) already."""
-    if done.done():
-        return not done.cancelled()
-    done.set_result(value)
-    return True
-
-
-def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:
-    if not done.done():
-        done.set_exception(exc)

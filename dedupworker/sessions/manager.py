@@ -209,6 +209,8 @@ class LockSessions:
             return
         with contextlib.suppress(SessionLost):
             held = await session.guard(keys)
+            if session.lost:  # lost with its answer on the way: nothing is held there
+                return
             spare = []
             for call, key, granted in zip(calls, keys, held, strict=True):
                 if not granted:

@@ -156,13 +156,22 @@ class CallPath:
         if guard is not None:
             with contextlib.suppress(SessionLost):
                 (guarded,) = await guard.guard([resolved])
-        if guard is None or not guarded:
-            # No second session to guard it (one was lost and is not back yet), or an
-            # exclusive waiter on the key: never run unguarded; back as contended.
+        if guard is None or not guarded or guard.lost:
+            # No second session to guard it (one was lost and is not back yet, or was lost
+            # with its answer on the way), or an exclusive waiter on the key: never run
+            # unguarded; back as contended.
             await self._unlock(call)
             return False, False
         call.guard = guard
         self.sessions.join(call, guard)
+        # The guard joined *this* call's hold only if the primary still held the key then:
+        # had the primary died just before, another worker could have taken the key and the
+        # guard joined its shared hold. A round trip the primary answers after the join
+        # proves it lived (and held) throughout; if it died, the loss cuts this call.
+        await primary.confirm()
+        if call.guard is not guard:  # its guard was lost meanwhile: it does not start
+            await self._unlock(call)
+            return False, False
         return True, seen
 
     async def _call(self, call: SessionCall, dedup_key: str | None) -> Verdict:
