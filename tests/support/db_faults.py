@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 
+from dedupworker.checking import check, overlapping_calls
 from tests.postgres.test_faults import handlers_running
 from tests.support.proxy import Proxy
 
@@ -41,6 +42,18 @@ class DatabaseFaults:
             return
         self.server.restart()
         self.done.append("postgresql restarted")
+
+    def judge(self, produced: list[str]) -> None:
+        """After the drain: a fault came, and the checker finds no overlap, no loss and no
+        effect applied twice."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            report = check(conn, produced)
+            overlapping = overlapping_calls(conn)
+        print(report.as_dict(), self.done)
+        assert self.done, "no fault came while the workers ran"
+        assert report.overlaps == 0, overlapping
+        assert report.lost == 0, report
+        assert report.duplicate_effects == 0, report
 
     def _terminate_one(self) -> bool:
         with psycopg.connect(self.dsn, autocommit=True) as admin:
