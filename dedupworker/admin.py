@@ -6,6 +6,7 @@ each action runs in one transaction and writes one row of the audit when it chan
 
     queue_stats      per queue: ready, delayed, in flight, dead, oldest ready age, pause, throughput
     pause_queue      workers stop claiming from the queue; resume_queue lets them claim again
+    queue_known      whether anything knows a queue (its jobs, workers, throughput, pause)
     search_dead      dead jobs matching a DeadSearch (queue, entity, reason text, time range)
     dead_job         one dead job's body, headers, attempts and reason
     requeue_dead     make dead jobs ready again (ids, all, or all matching a search)
@@ -13,9 +14,9 @@ each action runs in one transaction and writes one row of the audit when it chan
     audit_log        the operators' actions, newest first
     workers          the workers' heartbeats; hot_entities, their most contended entities
     webhook_endpoints, webhook_attempts, enable_webhook_endpoint
-    list_dead        dead jobs, oldest first (`dedupworker dead list`)
-    read_json_lines  messages from lines of JSON, with a warning for each line that is not JSON
-    enqueue_lines    put them on a queue
+    list_dead        dead jobs, newest first (`dedupworker dead list`)
+
+(`dedupworker enqueue`'s lines of JSON are read and enqueued by dedupworker.lines.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,15 +38,12 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import sql
+from . import admin_sql, sql
 from .errors import ConfigurationError, SchemaMissing
-from .keys import normalize_entity
-from .producer import enqueue
 from .schema import check_schema
 
 if TYPE_CHECKING:
-    from .handler import Handler
-    from .message import Message
+    pass
 
 DEAD_LIMIT = 50  # dead jobs listed unless told otherwise
 BODY_PREVIEW = 200  # characters of a dead job's body that are listed
@@ -110,8 +108,8 @@ class QueueStats:
 def queue_stats(conn: psycopg.Connection[Any]) -> list[QueueStats]:
     """Every queue of the postgres queue with jobs, a pause, or throughput rows, by name."""
     with _schema_needed():
-        rows = conn.execute(sql.QUEUE_STATS).fetchall()
-        done = conn.execute(sql.QUEUE_THROUGHPUT, (THROUGHPUT_MINUTES,)).fetchall()
+        rows = conn.execute(admin_sql.QUEUE_STATS).fetchall()
+        done = conn.execute(admin_sql.QUEUE_THROUGHPUT, (THROUGHPUT_MINUTES,)).fetchall()
     minutes: dict[str, list[int]] = {}
     for queue, ago, count in done:
         if 0 <= ago < THROUGHPUT_MINUTES:
@@ -136,19 +134,19 @@ def _queue_stats(row: tuple[Any, ...], per_minute: list[int] | None) -> QueueSta
 
 def paused_queues(conn: psycopg.Connection[Any]) -> dict[str, Pause]:
     with _schema_needed():
-        rows = conn.execute(sql.PAUSED_QUEUES).fetchall()
+        rows = conn.execute(admin_sql.PAUSED_QUEUES).fetchall()
     return {row[0]: Pause(*row) for row in rows}
 
 
 def pause_queue(
     conn: psycopg.Connection[Any], queue: str, actor: str, reason: str | None = None
 ) -> bool:
-    """Workers stop claiming from `queue` (one with no jobs yet may be paused too); False when
-    it was paused already (its pause is kept as it was)."""
+    """Workers stop claiming from `queue` (one with no jobs yet may be paused too: see
+    queue_known); False when it was paused already (its pause is kept as it was)."""
     _check_queue_name(queue)
     reason = reason or None
     with _schema_needed(), conn.transaction():
-        if conn.execute(sql.PAUSE_QUEUE, (queue, actor, reason)).fetchone() is None:
+        if conn.execute(admin_sql.PAUSE_QUEUE, (queue, actor, reason)).fetchone() is None:
             return False
         _audit(conn, actor, "pause queue", queue, count=1, detail={"reason": reason})
     return True
@@ -158,7 +156,7 @@ def resume_queue(conn: psycopg.Connection[Any], queue: str, actor: str) -> bool:
     """Workers claim from `queue` again, woken at once; False when it was not paused."""
     _check_queue_name(queue)
     with _schema_needed(), conn.transaction():
-        row = conn.execute(sql.RESUME_QUEUE, (queue,)).fetchone()
+        row = conn.execute(admin_sql.RESUME_QUEUE, (queue,)).fetchone()
         if row is None:
             return False
         paused_at, paused_by, reason = row
@@ -166,6 +164,15 @@ def resume_queue(conn: psycopg.Connection[Any], queue: str, actor: str) -> bool:
         _audit(conn, actor, "resume queue", queue, count=1, detail=detail)
         conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
     return True
+
+
+def queue_known(conn: psycopg.Connection[Any], queue: str) -> bool:
+    """Whether the queue has jobs, live workers, throughput in the last hour or a pause: one
+    that has none is a typo more often than a queue paused ahead of its first jobs."""
+    with _schema_needed():
+        params = {"queue": queue, "live": LIVE_SECONDS}
+        row = conn.execute(admin_sql.QUEUE_KNOWN, params).fetchone()
+    return bool(row and row[0])
 
 
 def _check_queue_name(queue: str) -> None:
@@ -225,7 +232,7 @@ def _entity_forms(entity: str) -> list[str]:
 
 
 def _where(search: DeadSearch, **selection: Any) -> tuple[str, dict[str, Any]]:
-    """The conditions of sql.DEAD_FILTERS for the criteria given, and their parameters."""
+    """The conditions of admin_sql.DEAD_FILTERS for the criteria given, and their parameters."""
     values: dict[str, Any] = {
         "queue": search.queue or None,
         "entity": _entity_forms(str(search.entity)) if search.entity else None,
@@ -235,7 +242,7 @@ def _where(search: DeadSearch, **selection: Any) -> tuple[str, dict[str, Any]]:
         **selection,
     }
     given = {name: value for name, value in values.items() if value is not None}
-    return "".join(f" AND {sql.DEAD_FILTERS[name]}" for name in given), given
+    return "".join(f" AND {admin_sql.DEAD_FILTERS[name]}" for name in given), given
 
 
 def search_dead(
@@ -248,7 +255,7 @@ def search_dead(
 def count_dead(conn: psycopg.Connection[Any], search: DeadSearch) -> int:
     filters, params = _where(search)
     with _schema_needed():
-        row = conn.execute(sql.COUNT_DEAD.format(filters=filters), params).fetchone()
+        row = conn.execute(admin_sql.COUNT_DEAD.format(filters=filters), params).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -258,13 +265,13 @@ def list_dead(
     limit: int = DEAD_LIMIT,
     search: DeadSearch | None = None,
 ) -> list[DeadJob]:
-    """The dead jobs (of `queue`, and matching `search`, if given), oldest first, at most
-    `limit` of them."""
+    """The dead jobs (of `queue`, and matching `search`, if given), newest first as the
+    console lists them, at most `limit` of them."""
     check_schema(conn)
     search = search or DeadSearch()
     if queue is not None:
         search = dataclasses.replace(search, queue=queue)
-    return _dead_jobs(conn, search, max(0, limit), 0, newest_first=False)
+    return _dead_jobs(conn, search, max(0, limit), 0, newest_first=True)
 
 
 def _dead_jobs(
@@ -286,8 +293,8 @@ def dead_statement(
 ) -> tuple[str, dict[str, Any]]:
     """The statement that finds the dead jobs of `search` and its parameters (EXPLAIN it)."""
     filters, params = _where(search)
-    indexed = search.queue or search.entity or search.reason  # see sql.SEARCH_DEAD_PER_QUEUE
-    form = sql.SEARCH_DEAD if indexed else sql.SEARCH_DEAD_PER_QUEUE
+    indexed = search.queue or search.entity or search.reason  # see admin_sql.SEARCH_DEAD_PER_QUEUE
+    form = admin_sql.SEARCH_DEAD if indexed else admin_sql.SEARCH_DEAD_PER_QUEUE
     statement = form.format(filters=filters, order="DESC" if newest_first else "ASC")
     # A character is at most 4 bytes of UTF-8: enough bytes for BODY_PREVIEW characters.
     params.update(preview=BODY_PREVIEW * 4, limit=limit, offset=offset)
@@ -325,7 +332,7 @@ class DeadJobDetail:
 def dead_job(conn: psycopg.Connection[Any], job_id: int) -> DeadJobDetail | None:
     """One dead job, whole but for a body longer than BODY_LIMIT; None if it is not dead."""
     with _schema_needed():
-        row = conn.execute(sql.DEAD_JOB, (BODY_LIMIT, BODY_LIMIT, job_id)).fetchone()
+        row = conn.execute(admin_sql.DEAD_JOB, (BODY_LIMIT, BODY_LIMIT, job_id)).fetchone()
     if row is None:
         return None
     job, queue, attempts, contentions, created_at, dead_at, error, traceback, entity = row[:9]
@@ -401,7 +408,13 @@ def requeue_dead(
     of any) ready again, their attempts and contentions reset, and wake their workers; in one
     transaction."""
     jobs, missing = _act_on_dead(
-        conn, sql.REQUEUE_DEAD_MATCHING, "requeue dead", ids, queue=queue, actor=actor, wake=True
+        conn,
+        admin_sql.REQUEUE_DEAD_MATCHING,
+        "requeue dead",
+        ids,
+        queue=queue,
+        actor=actor,
+        wake=True,
     )
     return Requeued(jobs, missing)
 
@@ -422,7 +435,13 @@ def discard_dead(
     """Delete the dead jobs `ids` (or "all", or all matching a DeadSearch) of `queue` (or of
     any), in one transaction."""
     jobs, missing = _act_on_dead(
-        conn, sql.DISCARD_DEAD_MATCHING, "discard dead", ids, queue=queue, actor=actor, wake=False
+        conn,
+        admin_sql.DISCARD_DEAD_MATCHING,
+        "discard dead",
+        ids,
+        queue=queue,
+        actor=actor,
+        wake=False,
     )
     done = sorted(jobs)
     return Acted(len(done), done, missing)
@@ -484,13 +503,13 @@ def _audit(
     count: int,
     detail: dict[str, Any],
 ) -> None:
-    conn.execute(sql.AUDIT, (actor, action, target, count, Jsonb(detail)))
+    conn.execute(admin_sql.AUDIT, (actor, action, target, count, Jsonb(detail)))
 
 
 def audit_log(conn: psycopg.Connection[Any], limit: int = 50) -> list[AuditEntry]:
     """The operators' actions, newest first, at most `limit` (up to SEARCH_LIMIT)."""
     with _schema_needed():
-        rows = conn.execute(sql.AUDIT_LOG, (_capped(limit),)).fetchall()
+        rows = conn.execute(admin_sql.AUDIT_LOG, (_capped(limit),)).fetchall()
     return [AuditEntry(*row) for row in rows]
 
 
@@ -514,7 +533,7 @@ class WorkerRow:
 def workers(conn: psycopg.Connection[Any]) -> list[WorkerRow]:
     """Every worker with a heartbeat, live ones first."""
     with _schema_needed():
-        rows = conn.execute(sql.WORKERS, (LIVE_SECONDS,)).fetchall()
+        rows = conn.execute(admin_sql.WORKERS, (LIVE_SECONDS,)).fetchall()
     return [WorkerRow(*row) for row in rows]
 
 
@@ -529,7 +548,7 @@ class HotEntity:
 def hot_entities(conn: psycopg.Connection[Any], limit: int = 20) -> list[HotEntity]:
     """The most contended entities over the live workers, highest score first."""
     with _schema_needed():
-        rows = conn.execute(sql.HOT_ENTITIES, (LIVE_SECONDS, _capped(limit))).fetchall()
+        rows = conn.execute(admin_sql.HOT_ENTITIES, (LIVE_SECONDS, _capped(limit))).fetchall()
     return [HotEntity(handler, entity, score or 0.0, n) for handler, entity, score, n in rows]
 
 
@@ -562,7 +581,7 @@ class AttemptRow:
 
 
 def _has_webhooks(conn: psycopg.Connection[Any]) -> bool:
-    row = conn.execute(sql.WEBHOOKS_SCHEMA).fetchone()
+    row = conn.execute(admin_sql.WEBHOOKS_SCHEMA).fetchone()
     return bool(row and row[0])
 
 
@@ -570,7 +589,7 @@ def webhook_endpoints(conn: psycopg.Connection[Any]) -> list[EndpointRow] | None
     """The endpoints by id with their last hour's attempts; None without the webhooks schema."""
     if not _has_webhooks(conn):
         return None
-    rows = conn.execute(sql.WEBHOOK_ENDPOINTS, (SEARCH_LIMIT,)).fetchall()
+    rows = conn.execute(admin_sql.WEBHOOK_ENDPOINTS, (SEARCH_LIMIT,)).fetchall()
     return [EndpointRow(row[0], public_url(row[1]), *row[2:]) for row in rows]
 
 
@@ -581,9 +600,9 @@ def webhook_attempts(
     if not _has_webhooks(conn):
         return []
     if endpoint_id is None:
-        rows = conn.execute(sql.WEBHOOK_ATTEMPTS, (_capped(limit),)).fetchall()
+        rows = conn.execute(admin_sql.WEBHOOK_ATTEMPTS, (_capped(limit),)).fetchall()
     else:
-        rows = conn.execute(sql.WEBHOOK_ATTEMPTS_OF, (endpoint_id, _capped(limit))).fetchall()
+        rows = conn.execute(admin_sql.WEBHOOK_ATTEMPTS_OF, (endpoint_id, _capped(limit))).fetchall()
     return [_attempt(row) for row in rows]
 
 
@@ -611,7 +630,7 @@ def enable_webhook_endpoint(conn: psycopg.Connection[Any], endpoint_id: str, act
     if not _has_webhooks(conn):
         return False
     with conn.transaction():
-        row = conn.execute(sql.WEBHOOK_ENDPOINT_STATE, (endpoint_id,)).fetchone()
+        row = conn.execute(admin_sql.WEBHOOK_ENDPOINT_STATE, (endpoint_id,)).fetchone()
         if row is None:
             return False
         disabled_at, reason = row
@@ -643,65 +662,3 @@ _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 def _without_secrets(text: str | None) -> str | None:
     """`text` with each URL in it as public_url shows it."""
     return None if text is None else _URL.sub(lambda m: public_url(m.group(0)), text)
-
-
-# --- Enqueueing -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BadLine:
-    number: int  # 1 for the first line
-    error: str
-
-    def __str__(self) -> str:
-        return f"line {self.number} is not valid JSON ({self.error}); enqueued as is"
-
-
-@dataclass(frozen=True)
-class JsonLines:
-    bodies: list[bytes]
-    warnings: list[BadLine]
-
-
-def read_json_lines(lines: Iterable[bytes]) -> JsonLines:
-    """One message per line that is not blank. A line that is not JSON is kept, with a
-    warning: the worker dead-letters it with the reason, and nothing is dropped."""
-    bodies, warnings = [], []
-    for number, raw in enumerate(lines, start=1):
-        line = raw.rstrip(b"\r\n")
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except ValueError as exc:
-            warnings.append(BadLine(number, str(exc)))
-        bodies.append(line)
-    return JsonLines(bodies, warnings)
-
-
-def enqueue_lines(
-    conn: psycopg.Connection[Any],
-    queue: str,
-    lines: JsonLines,
-    *,
-    delay: float = 0.0,
-    entity_of: Handler | None = None,
-) -> list[int]:
-    """Enqueue the messages on `queue` (see producer.enqueue); with `entity_of`, each with its
-    entity as that handler computes it, so that workers lock it in the claim."""
-    check_schema(conn)
-    entity = None if entity_of is None else _entity_of(entity_of)
-    return enqueue(conn, queue, lines.bodies, delay=delay, entity=entity)
-
-
-def _entity_of(handler: Handler) -> Callable[[Message], object]:
-    """The handler's entity_id, None (no entity stored) where it fails: the worker meets that
-    message without one and dead-letters it with the reason, as it would have anyway."""
-
-    def entity(message: Message) -> object:
-        try:
-            return normalize_entity(handler.entity_id(message))
-        except Exception:
-            return None
-
-    return entity

@@ -15,6 +15,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import wire
 from .errors import DatabaseUnavailable
+from .outage import connect_outage
 from .wire import Rows
 
 log = logging.getLogger("dedupworker")
@@ -42,22 +43,20 @@ def connect(dsn: str, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
     An error that waiting cannot fix (no such database or role, a wrong password, no
     pg_hba.conf entry, an invalid DSN) fails at once.
     """
+    outage = connect_outage(log, describe_dsn(dsn))
+    then = f"; retrying for up to {timeout:g} s (--connect-timeout)"
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(retryable),
         wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
         stop=tenacity.stop_after_delay(timeout),
-        before_sleep=lambda state: log.warning(
-            "database %s unreachable (%s); retrying for up to %g s (--connect-timeout)",
-            describe_dsn(dsn),
-            _last_error(state),
-            timeout,
-        ),
+        before_sleep=lambda state: outage.failed(_last_error(state), then),
         reraise=True,
     )
     try:
         conn: psycopg.Connection[Any] = retrying(
             psycopg.connect, dsn, connect_timeout=max(1, int(min(timeout, 10))), **kwargs
         )
+        outage.recovered()
     except psycopg.OperationalError as exc:
         raise unavailable(dsn, exc, timeout) from None
     except psycopg.ProgrammingError as exc:

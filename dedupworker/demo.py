@@ -11,7 +11,6 @@ import collections
 import json
 import os
 import random
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import psycopg
 import tenacity
 
 from .db import describe_dsn
+from .demo_next import print_next_steps
 from .errors import ConfigurationError
 from .handler import Handler
 from .message import Message
@@ -359,37 +359,6 @@ def print_checks(plan: Plan, results: Results) -> bool:
     for ok, text in checks:
         print(f"  {'ok    ' if ok else 'FAILED'}  {text}")
     return all(ok for ok, _ in checks)
-
-
-def print_next_steps(dsn: str | None) -> None:
-    """Commands to try on the demo's database; `dsn` is None for the private one, gone by now."""
-    print(f"""
-Try next{_where(dsn)}
-  dedupworker dead list --queue {QUEUE}           # dead jobs, reasons and bodies
-  dedupworker dead requeue --queue {QUEUE} --all  # give them another go
-  dedupworker locks --namespace 30             # while workers run: who holds what
-  dedupworker demo --workers 6 --concurrency 8 --deliveries 1000""")
-
-
-def _where(dsn: str | None) -> str:
-    """How the commands after it reach the demo's database: through DEDUPWORKER_DSN."""
-    if dsn is None:
-        return (
-            ": the private PostgreSQL stopped with the demo, so run the demo on a server of\n"
-            "your own first (any database where you may create a schema):\n"
-            "  export DEDUPWORKER_DSN='postgresql://USER:PASSWORD@HOST:5432/DBNAME'\n"
-            "  dedupworker demo"
-        )
-    if os.environ.get("DEDUPWORKER_DSN") == dsn:
-        return f" (DEDUPWORKER_DSN names the demo's database, {describe_dsn(dsn)}):"
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    if not params.get("password"):
-        return f", on the demo's database:\n  export DEDUPWORKER_DSN={shlex.quote(dsn)}"
-    shown = psycopg.conninfo.make_conninfo("", **{**params, "password": "PASSWORD"})
-    return (
-        ", on the demo's database (put its password in place of PASSWORD):\n"
-        f"  export DEDUPWORKER_DSN={shlex.quote(shown)}"
-    )
 
 
 def run_demo(dsn: str | None, workers: int, concurrency: int, deliveries: int) -> int:

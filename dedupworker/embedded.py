@@ -2,8 +2,8 @@
 
 Local PostgreSQL binaries come first (Debian's /usr/lib/postgresql/*/bin or `initdb` on PATH):
 they start in about a second with no download and no side effects. When none exist, the
-`pgserver` package (`pip install 'dedupworker[demo]'`, a PostgreSQL server in a wheel) is the
-fallback; as root it creates an OS user of its own, so it is only used when needed.
+`pgserver` package (the `demo` extra, a PostgreSQL server in a wheel) is the fallback; as root it
+creates an OS user of its own, so it is only used when needed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from .errors import DedupWorkerError
 
 
 class EmbeddedPostgresError(DedupWorkerError):
-    """No private PostgreSQL could be started: install PostgreSQL or `dedupworker[demo]`."""
+    """No private PostgreSQL could be started: install PostgreSQL or the `demo` extra."""
 
 
 def find_local_bindir() -> Path | None:
@@ -141,13 +142,18 @@ class PackagedPostgres:
 
     def start(self) -> str:
         try:
-            import pgserver
+            with warnings.catch_warnings():
+                # Its runtime directory falls back to /tmp where XDG_RUNTIME_DIR is not set (a
+                # root shell, a container): fine here, and no news for someone trying a demo.
+                warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+                from pgserver.postgres_server import get_server
         except ImportError:
             raise EmbeddedPostgresError(
                 "no local PostgreSQL binaries found and the pgserver package is missing: "
-                "`pip install 'dedupworker[demo]'`, install PostgreSQL, or pass --dsn"
+                "`pip install -e '.[demo]'` in a clone (`pip install 'dedupworker[demo]'` where "
+                "it is published), install PostgreSQL, or pass --dsn"
             ) from None
-        self._server = pgserver.get_server(self.root, cleanup_mode="stop")
+        self._server = get_server(self.root, cleanup_mode="stop")
         return str(self._server.get_uri())
 
     def stop(self) -> None:

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from typing import Any, ClassVar, Literal
 
 import psycopg
@@ -16,6 +17,8 @@ from .errors import ConfigurationError, HandlerNotFound
 from .keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
 from .message import Message
 from .outcomes import Outcome
+from .schema import INTERNAL_NAMESPACE
+from .sql import JOB_NAMESPACE
 
 
 class Handler:
@@ -187,17 +190,18 @@ def backoff_seconds(wait: wait_base, attempt: int) -> float:
     return max(0.0, float(wait(state)))
 
 
+# Namespaces dedupworker locks in itself: a handler's entity locks there would wait on them,
+# and be taken for them by `dedupworker locks`.
+RESERVED_NAMESPACES = {
+    INTERNAL_NAMESPACE: "dedupworker's own locks (migrations, singletons)",
+    JOB_NAMESPACE: "the postgres queue's job claims",
+}
+
+
 def validate_handler(handler: Handler) -> None:
     """Refuse a handler whose settings cannot work, naming the setting and the fix."""
     cls = type(handler)
-    namespace = getattr(cls, "lock_namespace", None)
-    if namespace is None:
-        raise ConfigurationError(f"{cls.__name__}.lock_namespace is not set: give it an int4")
-    if not is_int(namespace) or not INT4_MIN <= namespace <= INT4_MAX:
-        raise ConfigurationError(
-            f"{cls.__name__}.lock_namespace = {namespace!r} is not an int4 "
-            f"(an integer from {INT4_MIN} to {INT4_MAX})"
-        )
+    _check_namespace(cls)
     if cls.lock_key_mode not in KEY_MODES:
         raise ConfigurationError(
             f"{cls.__name__}.lock_key_mode = {cls.lock_key_mode!r}; use one of {KEY_MODES}"
@@ -220,6 +224,22 @@ def validate_handler(handler: Handler) -> None:
         if getattr(cls, method) is getattr(Handler, method):
             raise ConfigurationError(f"{cls.__name__} must implement {method}()")
     _check_scope(cls)
+
+
+def _check_namespace(cls: type[Handler]) -> None:
+    namespace = getattr(cls, "lock_namespace", None)
+    if namespace is None:
+        raise ConfigurationError(f"{cls.__name__}.lock_namespace is not set: give it an int4")
+    if not is_int(namespace) or not INT4_MIN <= namespace <= INT4_MAX:
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_namespace = {namespace!r} is not an int4 "
+            f"(an integer from {INT4_MIN} to {INT4_MAX})"
+        )
+    if namespace in RESERVED_NAMESPACES:
+        raise ConfigurationError(
+            f"{cls.__name__}.lock_namespace = {namespace} ({namespace:#x}) is reserved for "
+            f"{RESERVED_NAMESPACES[namespace]}: give the entity type another int4"
+        )
 
 
 LOCK_SCOPES = ("transaction", "session")
@@ -285,8 +305,27 @@ def _import(module_name: str, path: str) -> Any:
                 f"cannot import module {module_name!r} for {path!r}: run from the directory "
                 f"that contains it or install its package (e.g. `{_EXAMPLE}`)"
             ) from exc
-        raise HandlerNotFound(f"importing {module_name!r} failed: {exc}") from exc
+        raise HandlerNotFound(f"importing {module_name!r} failed: {exc}{_where(exc)}") from exc
     except Exception as exc:
         raise HandlerNotFound(
-            f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
+            f"importing {module_name!r} raised {type(exc).__name__}: {exc}{_where(exc)}"
         ) from exc
+
+
+# Frames of the import machinery (importlib's, dedupworker's), not of the user's code.
+_MACHINERY = (
+    "<frozen ",
+    os.path.dirname(importlib.__file__ or "") + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+
+
+def _where(exc: BaseException) -> str:
+    """Where in the user's code importing their module failed: the traceback's frames but
+    importlib's and dedupworker's (it is their code; the error line says the rest)."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith(_MACHINERY)
+    ]
+    return "\n" + "".join(traceback.format_list(frames)).rstrip() if frames else ""

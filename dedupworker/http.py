@@ -5,12 +5,15 @@ database but /readyz's `SELECT 1` (2 s at most)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .errors import ConfigurationError
 
 
 def serve(
@@ -52,6 +55,26 @@ def serve(
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, port), Endpoint)
+    server = _listen(host, port, Endpoint)
     threading.Thread(target=server.serve_forever, name="dedupworker-http", daemon=True).start()
     return server
+
+
+def _listen(host: str, port: int, endpoint: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    try:
+        return ThreadingHTTPServer((host, port), endpoint)
+    except OSError as exc:
+        raise listen_refused(exc, host, port, "--metrics-port / DEDUPWORKER_METRICS_PORT") from None
+
+
+def listen_refused(exc: OSError, host: str, port: int, option: str) -> ConfigurationError:
+    """Why a server cannot listen on `host`:`port`, and the `option` that sets the port."""
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigurationError(
+            f"port {port} is in use ({option}): stop what listens there, or give another port "
+            "(0 picks a free one)"
+        )
+    return ConfigurationError(
+        f"cannot listen on {host}:{port} ({option}): {exc.strerror or exc}; give another port "
+        "(0 picks a free one) or address"
+    )

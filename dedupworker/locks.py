@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from . import sql
+from . import admin_sql, sql
 from .errors import SchemaMissing
 from .keys import decode_pg_locks_key
 from .schema import INTERNAL_NAMESPACE
@@ -99,7 +99,7 @@ def advisory_locks(conn: psycopg.Connection[Any], namespace: int | None = None) 
 def _fetch(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     """The statement's rows; the job lookup needs dedupworker.jobs, so say so if it is absent."""
     try:
-        return conn.execute(sql.ADVISORY_LOCKS).fetchall()
+        return conn.execute(admin_sql.ADVISORY_LOCKS).fetchall()
     except psycopg.errors.UndefinedTable:
         raise SchemaMissing(
             "the dedupworker tables do not exist in this database (job claims are looked up in "
@@ -109,7 +109,7 @@ def _fetch(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 
 
 def _lock_row(row: tuple[Any, ...]) -> LockRow:
-    """One row of sql.ADVISORY_LOCKS, decoded."""
+    """One row of admin_sql.ADVISORY_LOCKS, decoded."""
     classid, objid, objsubid, granted, pid, app, state, age, query = row[:9]
     mode, in_transaction, job_ids, job_queues, session_age = row[9:]
     ns, key = decode_pg_locks_key(classid, objid, objsubid)

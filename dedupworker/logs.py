@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from .outage import tame_pool_log
+
 _FIELDS = ("handler", "transport", "message_id", "entity", "outcome", "attempt", "duration_seconds")
 
 
@@ -39,3 +41,4 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    tame_pool_log(root)

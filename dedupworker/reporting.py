@@ -7,7 +7,9 @@ kept for the scheduler), never on a handler thread's:
 - every PAUSE_INTERVAL, the pauses of its postgres queues (`dedupworker pause`): a paused
   queue's transport stops claiming, logs it and sets dedupworker_queue_paused;
 - every HEARTBEAT_INTERVAL, its row in dedupworker.workers (seen_at, its hot entities) and its
-  outcome counts since the last heartbeat, added to dedupworker.throughput per queue and minute.
+  outcome counts since the last heartbeat, added to dedupworker.throughput per queue and minute;
+- when the worker stops (a drain, SIGTERM), once its handler threads have ended: the counts
+  since the last heartbeat, and its row goes. Only a worker killed loses its last seconds.
 
 A database that does not answer costs a warning and the next tick tries again; the pauses last
 read stay in force meanwhile.
@@ -42,7 +44,7 @@ HEARTBEAT_INTERVAL = 5.0
 FORGET_AFTER = "1 hour"  # workers not seen and throughput minutes older than this are deleted
 HOT_REPORTED = 10
 POOL_WAIT = 1.0
-CLOSE_WAIT = 2.0  # seconds the worker's exit waits for the reporter's last step
+CLOSE_WAIT = 2.0  # seconds the worker's exit waits for the reporter's last report
 
 PAUSES = "SELECT queue, paused_by, reason FROM dedupworker.queue_pauses WHERE queue = ANY(%s)"
 HEARTBEAT = """
@@ -94,22 +96,26 @@ class Reporter:
         self._next_forget = 0.0
         self._failing = False
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
 
     def start(self, stop: threading.Event) -> None:
-        """Report from a daemon thread until `stop` is set; then the worker's row goes."""
+        """Report from a daemon thread until `stop` is set; the last report waits for close()."""
         self._thread = threading.Thread(
             target=self._run, args=(stop,), name="dedupworker-report", daemon=True
         )
         self._thread.start()
 
     def close(self) -> None:
-        """Wait (CLOSE_WAIT at most) for the thread to delete the worker's row and end."""
+        """The handler threads have ended: wait (CLOSE_WAIT at most) for the thread's last
+        report (see gone) and its end."""
+        self._closing.set()
         if self._thread is not None:
             self._thread.join(CLOSE_WAIT)
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.wait(self._until_due()):
             self.tick()
+        self._closing.wait()  # in-flight calls still finish after the stop: their counts too
         self.gone()
 
     def _until_due(self) -> float:
@@ -149,12 +155,19 @@ class Reporter:
         self._failing = False
 
     def gone(self) -> None:
-        """The worker stops: its row goes (best effort; an hour without heartbeats does too)."""
+        """The worker stops: its counts since the last heartbeat go to the throughput and its
+        row goes (best effort; an hour without heartbeats deletes the row too)."""
         try:
             with self.pool.connection(timeout=POOL_WAIT) as conn:
+                self._add_throughput(conn)
                 conn.execute(GONE, (self.id,))
         except Exception as exc:
-            log.debug("could not delete the worker's row: %s", exc)
+            log.warning(
+                "could not write the worker's last counts to the database (%s: %s): the "
+                "throughput figures miss them",
+                type(exc).__name__,
+                exc,
+            )
 
     def _read_pauses(self, conn: psycopg.Connection[Any]) -> None:
         queues = [transport.queue for transport in self._pausable]
@@ -184,15 +197,18 @@ class Reporter:
                 json.dumps(hot),
             ),
         )
+        self._add_throughput(conn)
+        if now >= self._next_forget:
+            self._next_forget = now + 60.0
+            for statement in FORGET:
+                conn.execute(statement)
+
+    def _add_throughput(self, conn: psycopg.Connection[Any]) -> None:
         for queue, counts in self._unreported().items():
             outcomes = sorted(counts)
             conn.execute(
                 THROUGHPUT, (self.transport, queue, outcomes, [counts[o] for o in outcomes])
             )
-        if now >= self._next_forget:
-            self._next_forget = now + 60.0
-            for statement in FORGET:
-                conn.execute(statement)
 
     def _unreported(self) -> dict[str, collections.Counter[str]]:
         """Each queue's outcome counts since the last heartbeat (taken as reported now: a

@@ -1,6 +1,6 @@
 """A worker's start-up checks (a pooler in the way, the lock DSN, the schema; each retried while
-the database is restarting, until --connect-timeout) and what its first and last lines say of
-what it runs."""
+the database is restarting, until --connect-timeout), the warning of unguarded session locks,
+and what its first and last lines say of what it runs."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def check_schema_on(pool: ConnectionPool[Any]) -> None:
 
 
 def check_lock_dsn(config: WorkerConfig, names: str) -> None:
-    """Session locks need a direct connection: refuse a lock DSN behind a pooler."""
+    """Session locks need a direct connection: refuse a lock DSN behind a pooler. Then, the
+    check passed (a retried check reaches here once), warn of unguarded locks."""
     lock_dsn = config.lock_dsn or config.dsn
     given = "--lock-dsn" if config.lock_dsn else "--dsn (no --lock-dsn given)"
     pooled = (not config.lock_dsn and config.pgbouncer) or (
@@ -65,6 +66,19 @@ def check_lock_dsn(config: WorkerConfig, names: str) -> None:
             "locks would stay on a pooled server connection that other clients then use. "
             "Give --lock-dsn / DEDUPWORKER_LOCK_DSN a DSN straight to PostgreSQL (the reads "
             "and the transport may stay on the pooler)"
+        )
+    warn_unguarded(config, names)
+
+
+def warn_unguarded(config: WorkerConfig, names: str) -> None:
+    """--lock-sessions 1 leaves each lock without its guard session: said once, at start."""
+    if config.lock_sessions == 1:
+        log.warning(
+            "--lock-sessions 1: the calls of %s run unguarded: a lock session lost mid-call "
+            "takes the entity's lock with it while a plain-function call runs on, so another "
+            "worker may start on that entity; 2 or more (the default) guard each lock on a "
+            "second session",
+            names,
         )
 
 

@@ -17,6 +17,7 @@ import psycopg
 from werkzeug.exceptions import HTTPException
 
 from ..errors import DatabaseUnavailable, DedupWorkerError, SchemaMissing
+from ..http import listen_refused
 from .actions import actions
 from .auth import COOKIE, Sessions, refusal
 from .pages import pages
@@ -62,8 +63,13 @@ def serve(app: flask.Flask, host: str, port: int) -> None:
     """Serve `app` until interrupted; port 0 picks a free port (logged)."""
     import waitress  # type: ignore[import-untyped]
 
-    server = waitress.create_server(app, host=host, port=port, threads=8, ident=None)
     console: Console = app.extensions[EXTENSION]
+    try:
+        server = waitress.create_server(app, host=host, port=port, threads=8, ident=None)
+    except OSError as exc:
+        console.db.close()
+        raise listen_refused(exc, host, port, "--port / DEDUPWORKER_PORT") from None
+    console.db.open()
     mode = "read-only" if console.sessions.read_only else "actions enabled"
     log.info(
         "console listening on http://%s:%s over %s (%s)",

@@ -7,20 +7,21 @@ import logging
 import os
 from typing import Any
 
+from ..cli_common import add_dsn, add_option, command
 from ..errors import ConfigurationError
 
 log = logging.getLogger("dedupworker.console")
 
 TOKEN_ENV = "DEDUPWORKER_CONSOLE_TOKEN"
-NEEDS_EXTRA = "the console needs its extra: pip install 'dedupworker[console]'"
+NEEDS_EXTRA = (
+    "the console needs its extra: pip install 'dedupworker[console]' (from a clone of the "
+    "repository: pip install -e '.[console]')"
+)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SHORT_TOKEN = 16
 
 
 def add_console(sub: Any) -> None:
-    # Imported here: dedupworker.cli imports this module for its parser.
-    from ..cli import add_dsn, add_option, command
-
     p = command(
         sub,
         "console",

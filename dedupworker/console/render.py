@@ -43,11 +43,16 @@ class Database:
             timeout=POOL_WAIT,
             check=ConnectionPool.check_connection,
         )
-        # Not waiting: the console starts (and says the database is down) when it is down.
+
+    def open(self) -> None:
+        """Start connecting (again a no-op): once the console listens, so that a port in use is
+        said before anything about the database; not waiting, so that the console starts (and
+        says the database is down) when it is down."""
         self.pool.open(wait=False)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        self.open()
         try:
             conn = self.pool.getconn()
         except PoolTimeout:

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from dedupworker import Handler, Message, SchemaMissing, admin, enqueue, sql
+from dedupworker.lines import enqueue_lines, read_json_lines
 from tests.conftest import with_db
 
 
@@ -33,14 +34,14 @@ def statuses(conn: psycopg.Connection[Any]) -> dict[int, tuple[str, int]]:
     return {job: (status, attempts) for job, status, attempts in rows}
 
 
-def test_list_dead_filters_by_queue_and_limit_oldest_first(conn: psycopg.Connection[Any]) -> None:
+def test_list_dead_filters_by_queue_and_limit_newest_first(conn: psycopg.Connection[Any]) -> None:
     first, second = kill(conn, "q", b'{"n": 1}', b"x" * 300)
     [other] = kill(conn, "other", b"{}")
     enqueue(conn, "q", [b"{}"])  # ready: not listed
-    assert [job.id for job in admin.list_dead(conn)] == [first, second, other]
-    assert [job.id for job in admin.list_dead(conn, "q")] == [first, second]
-    assert [job.id for job in admin.list_dead(conn, limit=1)] == [first]
-    job = admin.list_dead(conn, "q")[1]
+    assert [job.id for job in admin.list_dead(conn)] == [other, second, first]
+    assert [job.id for job in admin.list_dead(conn, "q")] == [second, first]
+    assert [job.id for job in admin.list_dead(conn, limit=1)] == [other]
+    job = admin.list_dead(conn, "q")[0]
     assert (job.queue, job.attempts, job.error, job.traceback) == ("q", 3, "boom", "Traceback: ...")
     assert job.body == "x" * admin.BODY_PREVIEW
     assert list(job.as_dict()) == [
@@ -82,7 +83,7 @@ def test_requeue_all_dead_of_a_queue_or_of_every_queue_wakes_their_workers(
 
 
 def test_json_lines_keep_bad_lines_with_a_warning_and_skip_blank_ones() -> None:
-    lines = admin.read_json_lines([b'{"a": 1}\n', b"\n", b"not json\r\n", b"[2]"])
+    lines = read_json_lines([b'{"a": 1}\n', b"\n", b"not json\r\n", b"[2]"])
     assert lines.bodies == [b'{"a": 1}', b"not json", b"[2]"]
     [warning] = lines.warnings
     assert warning.number == 3
@@ -100,8 +101,8 @@ class ById(Handler):
 
 
 def test_enqueue_lines_stores_the_entity_a_handler_computes(conn: psycopg.Connection[Any]) -> None:
-    lines = admin.read_json_lines([b'{"id": 7}', b'{"id": "8"}', b"not json"])
-    ids = admin.enqueue_lines(conn, "q", lines, delay=60, entity_of=ById())
+    lines = read_json_lines([b'{"id": 7}', b'{"id": "8"}', b"not json"], entity_of=ById())
+    ids = enqueue_lines(conn, "q", lines, delay=60)
     rows = conn.execute(
         "SELECT id, body, entity, run_at > clock_timestamp() FROM dedupworker.jobs ORDER BY id"
     ).fetchall()
@@ -125,6 +126,6 @@ def test_every_operation_refuses_a_database_without_the_schema(
             with pytest.raises(SchemaMissing):
                 admin.requeue_dead(bare, "all")
             with pytest.raises(SchemaMissing):
-                admin.enqueue_lines(bare, "q", admin.read_json_lines([b"{}"]))
+                enqueue_lines(bare, "q", read_json_lines([b"{}"]))
     finally:
         conn.execute(f"DROP DATABASE {name} WITH (FORCE)")

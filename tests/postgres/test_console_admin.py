@@ -443,7 +443,7 @@ def test_cli_pause_queues_and_resume(dsn: str, conn: psycopg.Connection[Any]) ->
 
 
 def admin_header() -> tuple[str, ...]:
-    from dedupworker.cli import QUEUE_HEADER
+    from dedupworker.cli_queues import QUEUE_HEADER
 
     return QUEUE_HEADER
 

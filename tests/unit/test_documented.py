@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.metadata
 import re
+import sys
+import tomllib
 
 from dedupworker import WorkerConfig, metrics, worker
 from dedupworker.cli import build_parser
@@ -44,3 +48,57 @@ def test_the_configs_of_running_from_python_build_as_written() -> None:
     exec(configs, scope)
     built = [value for value in scope.values() if isinstance(value, WorkerConfig)]
     assert {config.transport for config in built} >= {"sqs", "kafka"}
+
+
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLE_MODULES = {"myservice", "payments"}  # the reader's own, in the docs' examples
+
+
+def python_imports(text: str) -> set[str]:
+    """The top-level modules the document's Python blocks import."""
+    found: set[str] = set()
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        try:
+            tree = ast.parse(block)
+        except SyntaxError:
+            continue  # a fragment (an indented method, a signature)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def installed_with_dedupworker() -> set[str]:
+    """The modules dedupworker and its extras install (the distributions they require)."""
+    required = {
+        re.split(r"[\s\[<>=!~;]", line, maxsplit=1)[0].lower().replace("_", "-")
+        for line in importlib.metadata.requires("dedupworker") or []
+    }
+    return {
+        module
+        for module, distributions in importlib.metadata.packages_distributions().items()
+        if any(d.lower().replace("_", "-") in required for d in distributions)
+    }
+
+
+def test_the_docs_examples_import_only_what_dedupworker_or_its_extras_install() -> None:
+    allowed = set(sys.stdlib_module_names) | EXAMPLE_MODULES | {"dedupworker"}
+    allowed |= installed_with_dedupworker()
+    for document in DOCUMENTS:
+        missing = python_imports(document.read_text()) - allowed
+        assert not missing, f"{document.name} imports {sorted(missing)}, which no extra installs"
+
+
+def test_the_install_commands_work_from_a_clone_and_name_real_extras() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = set(pyproject["project"]["optional-dependencies"])
+    for document in DOCUMENTS:
+        for block in re.findall(r"```(?:sh|bash)\n(.*?)```", document.read_text(), re.S):
+            for line in block.splitlines():
+                if "pip install" not in line:
+                    continue
+                assert "pip install 'dedupworker[" not in line, f"{document.name}: {line}"
+                for named in re.findall(r"pip install -e '\.\[([^\]]+)\]'", line):
+                    assert set(named.split(",")) <= extras, f"{document.name}: {line}"
