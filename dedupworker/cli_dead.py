@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from datetime import datetime
 from typing import Any
@@ -168,8 +169,17 @@ def _confirm_first(args: argparse.Namespace, count: int) -> None:
     where = f" of queue {args.queue!r}" if args.queue else ""
     raise ConfigurationError(
         f"{count} dead job(s){where} match {chosen}; nothing was discarded: add --yes to delete "
-        f"them for good (`dedupworker dead list` with the same flags shows them)"
+        f"them for good (`{_listing(args)}` shows them)"
     )
+
+
+def _listing(args: argparse.Namespace) -> str:
+    """The `dead list` command that shows what a discard with `args` would delete."""
+    words = ["dedupworker", "dead", "list"]
+    for name in ("queue", *SEARCH_FLAGS):
+        if getattr(args, name) is not None:
+            words += [f"--{name}", str(getattr(args, name))]
+    return shlex.join(words)
 
 
 def _missing(args: argparse.Namespace, missing: list[int]) -> int:

@@ -182,6 +182,10 @@ def test_a_bulk_discard_says_how_many_and_asks_for_yes(
         asked.stderr
     )
     assert "add --yes" in asked.stderr
+    shown = asked.stderr.split("`")[1]  # the listing it names works, and lists those three
+    assert shown.startswith("dedupworker dead list --queue q"), asked.stderr
+    listed = cli(*shown.split()[1:], "--dsn", dsn)
+    assert listed.returncode == 0, listed.stderr
     assert remaining(conn) == 4 and audit(conn) == []
     done = cli("dead", "discard", "--dsn", dsn, "--queue", "q", *selection, "--yes")
     assert done.returncode == 0 and done.stdout.strip() == "discarded 3 dead job(s)"
