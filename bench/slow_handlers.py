@@ -22,6 +22,11 @@ start at in the first round only) and then the session-lock engine (`--session-h
 bench.sleepy.SessionSleepy: `await asyncio.sleep`, at `--session-concurrency` calls in flight);
 `--rounds N` alternates them N times and reports the ratio of their messages/s per round.
 
+`--fresh`: the session-lock engine also runs, before its usual run in each round, on a queue
+filled right after an ANALYZE saw it empty (the planner's statistics say there is nothing, as
+when a burst arrives), and the ratio of the two is reported; `--plain` enqueues the messages
+without their entity (the default path).
+
 `--hot`: 20 entities, 100 ms calls, 10,000 messages, at the largest level today's engine serves.
 `--worker-arg=ARG` (repeatable) passes ARG on to `dedupworker run`.
 
@@ -62,6 +67,7 @@ MAX_CONNECTIONS = 100  # PostgreSQL's default; dedupworker.embedded starts its s
 # and a level it does not start at.
 SERVED, UNSERVED = 96, 200
 SESSION_CONCURRENCY = 2000
+FRESH = " (fresh queue)"  # the engine label of a run on a queue analyzed while empty
 QUEUE = "slow"
 SAMPLE_SECONDS = 0.1
 SAMPLE = """
@@ -159,17 +165,21 @@ def worker_error(failure: RuntimeError) -> str:
     return f"{error} (server: {fatal})" if fatal and fatal not in error else error
 
 
-def fill(dsn: str, args: argparse.Namespace) -> tuple[int, tuple[int, int]]:
-    """Enqueue the messages with their entity, each entity N // K of them or one more, in random
-    order; returns the busiest entity's count and the first and last job id."""
+def fill(dsn: str, args: argparse.Namespace, fresh: bool = False) -> tuple[int, tuple[int, int]]:
+    """Enqueue the messages with their entity (without, with --plain), each entity N // K of
+    them or one more, in random order, then analyze (`fresh`: analyze the empty queue before
+    instead); returns the busiest entity's count and the first and last job id."""
     entities = [i % args.entities for i in range(args.messages)]
     random.Random(args.seed).shuffle(entities)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         conn.execute("DELETE FROM dedupworker.jobs")
+        if fresh:
+            conn.execute("VACUUM ANALYZE dedupworker.jobs")
         bodies = ({"entity": e, "work_ms": args.work_ms} for e in entities)
-        ids = enqueue(conn, QUEUE, bodies, entity=entity_of)
-        conn.execute("VACUUM ANALYZE dedupworker.jobs")
+        ids = enqueue(conn, QUEUE, bodies, entity=None if args.plain else entity_of)
+        if not fresh:
+            conn.execute("VACUUM ANALYZE dedupworker.jobs")
     return -(-args.messages // args.entities), (ids[0], ids[-1])
 
 
@@ -177,7 +187,7 @@ def run_level(
     dsn: str, args: argparse.Namespace, setup: tuple[str, int], workers: Workers
 ) -> Level:
     engine, concurrency = setup
-    busiest, ids = fill(dsn, args)
+    busiest, ids = fill(dsn, args, fresh=engine.endswith(FRESH))
     work = args.work_ms / 1000
     bound = max(busiest, args.messages / concurrency) * work
     level = Level(engine, concurrency, args.messages, bound)
@@ -275,6 +285,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds; 1")
     parser.add_argument("--session-only", action="store_true", help="skip today's engine")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="the session engine also on a queue filled after an ANALYZE saw it empty",
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="enqueue without the entity (the default path)"
+    )
     add_worker_options(parser)
     args = parser.parse_args(argv)
     for name, default in zip(NAMES, DEFAULTS[args.hot], strict=True):
@@ -314,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "transaction": workers,
         "session": dataclasses.replace(workers, handler=args.session_handler),
     }
+    engines["session" + FRESH] = engines["session"]
     server, dsn = start_server()
     try:
         lines = header(dsn)
@@ -327,14 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     print("\n".join(lines))
     print(
-        f"{args.messages:,} messages over {args.entities:,} entities (enqueued with their "
-        f"entity), {args.work_ms:g} ms per call; transaction engine: {args.handler}, session "
+        f"{args.messages:,} messages over {args.entities:,} entities (enqueued "
+        f"{'without' if args.plain else 'with'} their entity), {args.work_ms:g} ms per call; "
+        f"transaction engine: {args.handler}, session "
         f"engine: {args.session_handler}; {args.processes} process(es) per run"
         + (f", worker args: {shlex.join(args.worker_arg)}" if args.worker_arg else "")
         + "\n"
     )
     print(table(levels))
     print(ratios(levels))
+    print(fresh_ratios(levels))
     return 0
 
 
@@ -345,6 +366,8 @@ def setups(args: argparse.Namespace) -> list[tuple[str, int]]:
     for number in range(args.rounds):
         levels = args.concurrency if number == 0 else [c for c in args.concurrency if c <= SERVED]
         rounds += [] if args.session_only else [("transaction", c) for c in levels]
+        if args.session_concurrency and args.fresh:
+            rounds.append(("session" + FRESH, args.session_concurrency))
         if args.session_concurrency:
             rounds.append(("session", args.session_concurrency))
     return rounds
@@ -363,6 +386,23 @@ def ratios(levels: list[Level]) -> str:
     return (
         f"\nsession / transaction msg/s, per round: {', '.join(f'{p:.1f}' for p in pairs)} "
         f"(median {statistics.median(pairs):.1f}, range {min(pairs):.1f}-{max(pairs):.1f})"
+    )
+
+
+def fresh_ratios(levels: list[Level]) -> str:
+    """The session engine's msg/s on a fresh queue over its msg/s after an ANALYZE, per round."""
+    fresh = [lv for lv in levels if lv.engine == "session" + FRESH and lv.error is None]
+    analyzed = [lv for lv in levels if lv.engine == "session" and lv.error is None]
+    pairs = [
+        (f.messages / f.seconds) / (a.messages / a.seconds)
+        for f, a in zip(fresh, analyzed, strict=False)
+    ]
+    if not pairs:
+        return ""
+    return (
+        f"\nsession engine, fresh queue / analyzed queue msg/s, per round: "
+        f"{', '.join(f'{p:.2f}' for p in pairs)} (median {statistics.median(pairs):.2f}, "
+        f"range {min(pairs):.2f}-{max(pairs):.2f})"
     )
 
 

@@ -20,19 +20,24 @@ _JOB_FREE = f"""CASE
 # lock of the entity given at enqueue (NULL when none was given), computed as dedupworker.keys
 # does (a string that is the decimal form of an int4 is that int, as an older producer may have
 # stored it); the worker checks the entity against its handler's before it trusts the result.
-# The CTE claims one row first: the lock is tried on that row only.
+# The CTE claims one row first: the lock is tried on that row only. The scan starts at the
+# claiming thread's cursor (the epoch of the run_at it claimed last, as PostgreSQL wrote it, read
+# back less a millisecond for the float's rounding; NULL: the head of the ready index), which
+# the last column returns: from the head, it walks the index entries of every job deleted since
+# the table's last vacuum (see transports/postgres/claims.py).
 _CLAIM_LOCKING = """
 WITH claimed AS (
-    SELECT id, body, headers, attempts, contentions, contended_since, entity
+    SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
     FROM dedupworker.jobs
     WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+      AND run_at >= coalesce(to_timestamp(%s::float8 - 0.001), '-infinity')
       AND {job_free}
     ORDER BY run_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity, {lock}
+       entity, {lock}, extract(epoch FROM run_at)::text
 FROM claimed
 """
 
@@ -47,7 +52,7 @@ FROM claimed
 CLAIM_WINDOW = 32
 _CLAIM_SKIPPING = f"""
 WITH claimed AS (
-    SELECT id, body, headers, attempts, contentions, contended_since, entity
+    SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
     FROM dedupworker.jobs
     WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
       AND run_at <= coalesce(
@@ -64,7 +69,7 @@ WITH claimed AS (
     FOR UPDATE SKIP LOCKED
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity, CASE WHEN entity IS NOT NULL THEN true END
+       entity, CASE WHEN entity IS NOT NULL THEN true END, extract(epoch FROM run_at)::text
 FROM claimed
 """
 
@@ -100,10 +105,15 @@ SELECT set_config('statement_timeout', %s, true),
 
 ACK = "DELETE FROM dedupworker.jobs WHERE id = %s"
 
+# A job requeued because its entity was held keeps the entity its worker found (JSON text), as
+# if it had been given at enqueue: from then on claims take or pass over its entity's lock
+# in the claim itself (a hot entity's jobs enqueued plainly stop costing a round trip and a
+# requeue each time they meet it held).
 REQUEUE_CONTENDED = """
 UPDATE dedupworker.jobs
 SET run_at = clock_timestamp() + make_interval(secs => %s), contentions = contentions + 1,
-    contended_since = coalesce(contended_since, clock_timestamp())
+    contended_since = coalesce(contended_since, clock_timestamp()),
+    entity = coalesce(entity, %s::jsonb)
 WHERE id = %s
 """
 
@@ -225,7 +235,11 @@ SESSION_UNLOCK = (
 # more is taken); more of one entity could not run now. SESSION_CLAIM (on the lock session: the
 # only statement of the claim that needs it) locks each. SESSION_CLAIMED (pooled) reads them
 # again after the locks, in a snapshot taken after them: a job that another worker settled
-# (COMMIT, then unlock) just before our lock is gone by then.
+# (COMMIT, then unlock) just before our lock is gone by then: one primary-key look-up per id (the
+# OFFSET 0 keeps the planner from joining otherwise), the ready test in a CASE, out of its
+# sight. On a queue filled since its last ANALYZE, `id = ANY (...) AND status = 'ready'` read
+# the whole ready index (a bitmap scan of every ready job) for a few hundred ids, and without
+# the status test it read the whole table (tests/postgres/test_claim_plans.py).
 SESSION_CANDIDATES = """
 SELECT id FROM (
     SELECT id, entity, row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
@@ -243,11 +257,12 @@ WHERE entity IS NULL
 """
 SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
 SESSION_CLAIMED = """
-SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+SELECT j.id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity::text
-FROM dedupworker.jobs
-WHERE id = ANY (%s::int8[]) AND status = 'ready' AND run_at <= clock_timestamp()
-ORDER BY run_at, id
+FROM unnest(%s::int8[]) AS t(id),
+     LATERAL (SELECT * FROM dedupworker.jobs WHERE jobs.id = t.id OFFSET 0) j
+WHERE CASE WHEN status = 'ready' THEN run_at <= clock_timestamp() ELSE false END
+ORDER BY run_at, j.id
 """
 SESSION_JOB_UNLOCK = (
     f"SELECT count(*) FILTER (WHERE pg_advisory_unlock({JOB_KEY})) FROM unnest(%s::int8[]) id"
@@ -363,8 +378,9 @@ ACK_MANY = "DELETE FROM dedupworker.jobs WHERE id = ANY (%s::int8[])"
 REQUEUE_CONTENDED_MANY = """
 UPDATE dedupworker.jobs j
 SET run_at = clock_timestamp() + make_interval(secs => t.delay), contentions = contentions + 1,
-    contended_since = coalesce(contended_since, clock_timestamp())
-FROM unnest(%s::int8[], %s::float8[]) AS t(id, delay)
+    contended_since = coalesce(contended_since, clock_timestamp()),
+    entity = coalesce(j.entity, t.entity)
+FROM unnest(%s::int8[], %s::float8[], %s::jsonb[]) AS t(id, delay, entity)
 WHERE j.id = t.id
 """
 REQUEUE_FAILED_MANY = """

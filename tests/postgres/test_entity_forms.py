@@ -61,8 +61,8 @@ def test_a_string_stored_at_enqueue_by_an_older_producer_is_locked_as_its_int(
         (json.dumps({"entity": "7"}).encode(),),
     )
     with conn.transaction():
-        row = conn.execute(CLAIM_LOCKING["int4"], ("q", 41, 41, 41)).fetchone()
-        assert row is not None and row[-1] is True
+        row = conn.execute(CLAIM_LOCKING["int4"], ("q", None, 41, 41, 41)).fetchone()
+        assert row is not None and row[-2] is True  # the entity's lock, before the cursor
         key = lock_key(41, 7)
         held = scalar(
             conn,

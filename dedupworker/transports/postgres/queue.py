@@ -105,22 +105,26 @@ class PostgresTransport:
         self._paused = by
         self._paused_gauge.set(0 if by is None else 1)
 
-    def claim(self, batch: Executor, lock: tuple[int, KeyMode], skip: bool = False) -> Rows:
+    def claim(
+        self,
+        batch: Executor,
+        lock: tuple[int, KeyMode],
+        skip: bool = False,
+        cursor: str | None = None,
+    ) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
         of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
-        with `skip` passes over jobs whose given entity is locked, if it can."""
+        with `skip` passes over jobs whose given entity is locked, if it can; else it starts
+        at `cursor` (a run_at its thread claimed before; None: the head)."""
         namespace, mode = lock
         namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         if skip:
             return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
-        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, *namespaces))
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *namespaces))
 
-    def delivery(self, claimed: Rows) -> Delivery | None:
-        """The job `claim` got once its batch ran, or None when none was ready."""
-        row = claimed.fetchone()
-        if row is None:
-            return None
-        job_id, body, headers, attempts, contentions, contended_since, *given = row
+    def delivery(self, row: tuple[Any, ...]) -> Delivery:
+        """The job a `claim` got (its row, the claim's run_at column aside)."""
+        job_id, body, headers, attempts, contentions, contended_since, entity, locked, _ = row
         message = Message(
             id=str(job_id),
             body=body,
@@ -128,7 +132,6 @@ class PostgresTransport:
             attempt=attempts + 1,
             transport=self.name,
         )
-        entity, locked = given or (None, None)
         if type(entity) is str:
             entity = normalize_entity(entity)  # "7" is the entity 7, as the claim locked it
         job = Job(job_id, entity, locked)
@@ -175,7 +178,8 @@ class PostgresTransport:
         error: str = "",
     ) -> None:
         if contended:
-            _require(conn).execute(sql.REQUEUE_CONTENDED, (delay, delivery.receipt.id))
+            params = (delay, _entity_json(delivery), delivery.receipt.id)
+            _require(conn).execute(sql.REQUEUE_CONTENDED, params)
         else:
             _require(conn).execute(sql.REQUEUE_FAILED, (delay, error, delivery.receipt.id))
 
@@ -193,7 +197,8 @@ class PostgresTransport:
         if settlements.contended:
             ids = [d.receipt.id for d, _ in settlements.contended]
             delays = [float(delay) for _, delay in settlements.contended]
-            batch.execute(sql.REQUEUE_CONTENDED_MANY, (ids, delays))
+            entities = [_entity_json(d) for d, _ in settlements.contended]
+            batch.execute(sql.REQUEUE_CONTENDED_MANY, (ids, delays, entities))
         if settlements.retried:
             rows = settlements.retried
             batch.execute(

@@ -1,0 +1,167 @@
+"""Every claim statement of every engine keeps a plan that reads about what it claims, whatever
+the planner's statistics say: on a queue filled since it was created (never analyzed), on one
+filled right after an ANALYZE saw it empty (a burst), and on one whose head was just deleted
+(no vacuum since). Each statement is planned both ways PostgreSQL may run a prepared statement
+(a custom plan for its parameters, and the generic plan it switches to after five executions),
+and EXPLAIN ANALYZE counts the jobs rows it read: a sequential scan of the jobs table, or a scan
+of the whole ready index, fails it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker import enqueue, sql
+from dedupworker.transports.postgres import batches as batch_claims
+from dedupworker.transports.postgres import sessions as session_claims
+
+pytestmark = pytest.mark.postgres
+
+JOBS = 20_000
+NS = 77
+QUEUE = "q"
+
+
+def _entity_of_half(message: Any) -> object:
+    entity = message.json()["entity"]
+    return entity if entity % 2 else None
+
+
+def _fill(conn: psycopg.Connection[Any]) -> list[int]:
+    bodies = ({"entity": i % 5_000} for i in range(JOBS))
+    return enqueue(conn, QUEUE, bodies, entity=_entity_of_half)
+
+
+def fresh(conn: psycopg.Connection[Any]) -> list[int]:
+    """Filled since the table was created: never analyzed."""
+    return _fill(conn)
+
+
+def burst(conn: psycopg.Connection[Any]) -> list[int]:
+    """Analyzed while empty, then filled: the statistics say there is nothing."""
+    conn.execute("ANALYZE dedupworker.jobs")
+    return _fill(conn)
+
+
+def head_deleted(conn: psycopg.Connection[Any]) -> list[int]:
+    """Analyzed full, then nine tenths deleted from the head, not vacuumed since."""
+    ids = _fill(conn)
+    conn.execute("ANALYZE dedupworker.jobs")
+    gone = ids[: JOBS * 9 // 10]
+    conn.execute("DELETE FROM dedupworker.jobs WHERE id = ANY (%s)", (gone,))
+    return ids[len(gone) :]
+
+
+STATES: dict[str, Callable[[psycopg.Connection[Any]], list[int]]] = {
+    "fresh": fresh,
+    "burst": burst,
+    "head_deleted": head_deleted,
+}
+
+# name -> (SQL, parameters from the ready ids, statements that set its plan up, rows it may read)
+Claim = tuple[str, Callable[["Ready"], tuple[Any, ...]], tuple[str, ...], int]
+BATCH = 100
+CANDIDATES = session_claims.CANDIDATES_MIN
+CLAIMS: dict[str, Claim] = {
+    "CLAIM_LOCKING int4": (
+        sql.CLAIM_LOCKING["int4"],
+        lambda ids: (QUEUE, None, NS, NS, NS),
+        (),
+        10,
+    ),
+    "CLAIM_LOCKING int4, from a cursor": (
+        sql.CLAIM_LOCKING["int4"],
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS),
+        (),
+        10,
+    ),
+    "CLAIM_LOCKING hash64": (sql.CLAIM_LOCKING["hash64"], lambda ids: (QUEUE, None, NS), (), 10),
+    "CLAIM_SKIPPING int4": (
+        sql.CLAIM_SKIPPING["int4"],
+        lambda ids: (QUEUE, QUEUE, NS, NS, NS),
+        (),
+        3 * sql.CLAIM_WINDOW,
+    ),
+    "BATCH_CLAIM int4": (
+        sql.BATCH_CLAIM["int4"],
+        lambda ids: (QUEUE, None, NS, NS, NS, BATCH),
+        (sql.BATCH_CLAIM_PLAN,),
+        3 * BATCH,
+    ),
+    "BATCH_CLAIM_SHARED int4": (
+        sql.BATCH_CLAIM_SHARED["int4"],
+        lambda ids: (QUEUE, BATCH * 4, 8, NS, NS, NS, QUEUE, None, BATCH),
+        (sql.BATCH_CLAIM_PLAN,),
+        3 * BATCH * 4,
+    ),
+    "SESSION_CANDIDATES": (
+        sql.SESSION_CANDIDATES,
+        # the first 500 ready jobs in hand already, passed over
+        lambda ids: (QUEUE, ids[:500], [], CANDIDATES, []),
+        (),
+        3 * (CANDIDATES + 500),
+    ),
+    "SESSION_CLAIMED": (sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),
+}
+assert batch_claims.AHEAD_CHAIN  # the module whose statements BATCH_* are
+
+
+def rows_read(plan: dict[str, Any]) -> Iterator[tuple[str, int]]:
+    """(node type, rows) of each node that reads dedupworker.jobs, over all its loops."""
+    if plan.get("Relation Name") == "jobs":
+        rows = plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)
+        rows += plan.get("Rows Removed by Index Recheck", 0)
+        yield plan["Node Type"], rows * plan["Actual Loops"]
+    for child in plan.get("Plans", []):
+        yield from rows_read(child)
+
+
+class Ready(list[int]):
+    """The ready jobs' ids, oldest first, and a cursor halfway along them (a claim's)."""
+
+    cursor: str
+
+
+def ready_jobs(conn: psycopg.Connection[Any], ids: list[int]) -> Ready:
+    ready = Ready(ids)
+    row = conn.execute(
+        "SELECT extract(epoch FROM run_at)::text FROM dedupworker.jobs WHERE id = %s",
+        (ids[len(ids) // 2],),
+    ).fetchone()
+    assert row is not None
+    ready.cursor = row[0]
+    return ready
+
+
+def explain(
+    conn: psycopg.Connection[Any], claim: Claim, ready: Ready, cache_mode: str
+) -> list[tuple[str, int]]:
+    query, params, setup, _ = claim
+    with conn.transaction(force_rollback=True):
+        for statement in setup:
+            conn.execute(statement)
+        conn.execute(f"SET LOCAL plan_cache_mode = {cache_mode}")
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + query, params(ready), prepare=True
+        ).fetchone()
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    return list(rows_read(plan[0]["Plan"]))
+
+
+@pytest.mark.parametrize("state", list(STATES))
+def test_every_claim_reads_about_what_it_claims(dsn: str, state: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ready = ready_jobs(conn, STATES[state](conn))
+        problems = []
+        for name, claim in CLAIMS.items():
+            for cache_mode in ("force_custom_plan", "force_generic_plan"):
+                nodes = explain(conn, claim, ready, cache_mode)
+                read = sum(rows for _, rows in nodes)
+                if read > claim[3] or any(node == "Seq Scan" for node, _ in nodes):
+                    problems.append(f"{name} ({cache_mode}): {nodes}, {read} rows read")
+    assert not problems, "\n".join(problems)
