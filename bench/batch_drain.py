@@ -33,7 +33,8 @@ from typing import Any
 import psycopg
 
 from bench.batches import spread
-from bench.postgres_throughput import REPO, concurrency_list, machine, refill, table
+from bench.draining import REPO
+from bench.postgres_throughput import concurrency_list, machine, refill, table
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 

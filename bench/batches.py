@@ -6,7 +6,7 @@ round runs every scenario once on a freshly filled queue (in reverse order in ev
 A. dedupworker: `python -m dedupworker run bench.noop:Noop --concurrency C --drain` as one
    process, and as P processes sharing C (`--processes 1,2`), over jobs enqueued plainly and
    over jobs enqueued with their entity; msg/s from the first job's commit to the last one's
-   (postgres_throughput.Watcher). `--handler` and `--worker-args` change the command.
+   (bench.draining.Watcher). `--handler` and `--worker-args` change the command.
 B. the batch ceiling: pgbench claiming `--batch-size` jobs per transaction (FOR UPDATE SKIP
    LOCKED, each job's pg_try_advisory_xact_lock(77, entity) in the same statement), deleting
    them and committing, with one client and with two; msg/s = tps x batch size.
@@ -14,7 +14,12 @@ C. one message per transaction: postgres_throughput's pgbench script at C client
 D. pgqueuer (not a dependency of dedupworker: `pip install 'pgqueuer[asyncpg]'` to run it; D is
    skipped without it): its own schema and queue on the same server, a no-op entrypoint, drain
    mode, as many processes as A (one QueueManager each), at batch sizes 10 and 100; jobs/s
-   from the first job's deletion (its completion logged) to the last one's.
+   from the first job's deletion (its completion logged) to the last one's
+   (bench.pgqueuer_drain).
+
+Client CPU per message: getrusage of the children (worker processes, pgbench, pgqueuer), start-up
+included; server CPU per message: the private PostgreSQL's, from /proc, over each drain
+(bench.server_cpu).
 
 The ratios a batch engine is judged on come from the figures of one round: A / the best of B,
 A / the best of D.
@@ -25,58 +30,43 @@ Run from the repository root:  python -m bench.batches
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
-import importlib.util
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from bench import pgqueuer_drain
+from bench.draining import (
+    REPO,
+    Measure,
+    Workers,
+    find_pgbench,
+    measured,
+    run_dedupworker,
+    run_pgbench,
+)
 from bench.postgres_throughput import (
     NAMESPACE,
     PGBENCH_SCRIPT,
-    REPO,
-    Measure,
-    Watcher,
-    Workers,
-    children_cpu,
     concurrency_list,
-    find_pgbench,
     machine,
     refill,
     require_empty,
-    run_dedupworker,
     table,
 )
+from bench.server_cpu import postmaster_pid
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 
 TARGET_OF_CEILING = 0.30  # the batch engine must reach this fraction of B's ceiling
 TARGET_OF_PGQUEUER = 5.0  # and this multiple of the best pgqueuer setting
-PGQUEUER_SCHEMA = "pgqueuer_bench"
-PGQUEUER_INSTALL = "pip install 'pgqueuer[asyncpg]'"
-PGQUEUER_CHUNK = 10_000  # jobs per enqueue statement
-PGQUEUER_GONE = (
-    f"SELECT NOT EXISTS (SELECT 1 FROM {PGQUEUER_SCHEMA}.pgqueuer WHERE id BETWEEN %s AND %s)"
-)
-PGQUEUER_DONE = f"""
-SELECT (SELECT count(*) FROM {PGQUEUER_SCHEMA}.pgqueuer),
-       (SELECT count(*) FROM {PGQUEUER_SCHEMA}.pgqueuer_log WHERE status = 'successful')
-"""
-PGQUEUER_CHILD = "import sys; from bench.batches import pgqueuer_drain; pgqueuer_drain(sys.argv)"
-
 # The claim of CLAIM_LOCKING for `batch` jobs at once, their entities' locks (int4 here) taken
 # in the same statement; only the jobs whose lock was taken are deleted, so a lock not taken
 # shows up as a job left in the queue.
@@ -99,16 +89,6 @@ DELETE FROM dedupworker.jobs WHERE id = ANY(CAST(:ids AS int8[]));
 COMMIT;
 \\endpipeline
 """
-
-
-@dataclass(frozen=True)
-class PassingWorkers(Workers):
-    """Workers whose `dedupworker run` command ends with `extra` arguments."""
-
-    extra: tuple[str, ...] = ()
-
-    def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
-        return [*super().command(dsn, queue, concurrency, index, stats), *self.extra]
 
 
 @dataclass(frozen=True)
@@ -180,19 +160,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--cpu {args.cpu}: not a CPU this process may run on")
 
 
-def pgqueuer_driver_name() -> str | None:
-    """pgqueuer's own default: asyncpg when installed, else psycopg; None without pgqueuer."""
-    if importlib.util.find_spec("pgqueuer") is None:
-        return None
-    return "asyncpg" if importlib.util.find_spec("asyncpg") is not None else "psycopg"
-
-
 def header_lines(conn: psycopg.Connection[Any], args: argparse.Namespace) -> list[str]:
-    driver = pgqueuer_driver_name()
-    pgq = f"pgqueuer {version('pgqueuer')} over {driver}" if driver else "pgqueuer: not installed"
-    if driver == "asyncpg":
-        pgq += f" {version('asyncpg')}"
-    lines = [*machine(conn), pgq]
+    lines = [*machine(conn), pgqueuer_drain.version_line()]
     lines.append(
         f"{args.messages:,} messages per scenario on distinct entities, {args.rounds} round(s); "
         f"A at concurrency {args.concurrency} (threads shared by the processes), "
@@ -211,15 +180,19 @@ class Bench:
     queue: str
     args: argparse.Namespace
     pgbench: str | None
+    server_pid: int | None  # the postmaster's, for the server's CPU during each drain
 
-    def workers(self, processes: int) -> PassingWorkers:
+    def workers(self, processes: int) -> Workers:
         a = self.args
-        return PassingWorkers(processes, a.cpu, a.handler, a.tree, tuple(a.worker_args))
+        return Workers(processes, a.cpu, a.handler, a.tree, tuple(a.worker_args))
 
     def dedupworker(self, processes: int, given: bool) -> Measure:
         ids = refill(self.conn, self.queue, self.args.messages, given=given)
         workers = self.workers(processes)
-        measure = run_dedupworker(self.dsn, self.queue, ids, self.args.concurrency, workers)
+        measure = measured(
+            self.server_pid,
+            lambda: run_dedupworker(self.dsn, self.queue, ids, self.args.concurrency, workers),
+        )
         require_empty(self.conn, self.queue, f"{self.args.label}, {processes} process(es)")
         return measure
 
@@ -229,8 +202,12 @@ class Bench:
         transactions = self.args.messages // (batch * clients)
         refill(self.conn, self.queue, transactions * clients * batch, given=True)
         script = BATCH_SCRIPT.format(queue=self.queue, batch=batch, namespace=NAMESPACE)
-        measure = run_pgbench(
-            self.pgbench_path(), self.dsn, script, clients, transactions, per_transaction=batch
+        exe = self.pgbench_path()
+        measure = measured(
+            self.server_pid,
+            lambda: run_pgbench(
+                exe, self.dsn, script, clients, transactions, per_transaction=batch
+            ),
         )
         require_empty(self.conn, self.queue, "pgbench, batches")
         return measure
@@ -241,18 +218,19 @@ class Bench:
         transactions = self.args.messages // clients
         refill(self.conn, self.queue, transactions * clients)
         script = PGBENCH_SCRIPT.format(queue=self.queue, namespace=NAMESPACE)
-        measure = run_pgbench(
-            self.pgbench_path(), self.dsn, script, clients, transactions, per_transaction=1
+        exe = self.pgbench_path()
+        measure = measured(
+            self.server_pid, lambda: run_pgbench(exe, self.dsn, script, clients, transactions)
         )
         require_empty(self.conn, self.queue, "pgbench, one message per transaction")
         return measure
 
     def pgqueuer(self, processes: int, batch: int) -> Measure:
-        ids = pgqueuer_refill(self.conn, self.dsn, self.args.messages)
-        measure = run_pgqueuer(self.dsn, ids, processes, batch)
-        left, succeeded = self.conn.execute(PGQUEUER_DONE).fetchone() or (None, None)
-        if left != 0 or succeeded != measure.messages:
-            raise RuntimeError(f"pgqueuer left {left} job(s), {succeeded} logged as successful")
+        ids = pgqueuer_drain.refill(self.conn, self.dsn, self.args.messages)
+        measure = measured(
+            self.server_pid, lambda: pgqueuer_drain.run(self.dsn, ids, processes, batch)
+        )
+        pgqueuer_drain.require_drained(self.conn, measure)
         return measure
 
     def pgbench_path(self) -> str:
@@ -270,7 +248,7 @@ def scenarios(bench: Bench) -> list[Scenario]:
         out += [ceiling_scenario(bench, clients) for clients in (1, 2)]
         what = f"pgbench, one job per transaction, {args.concurrency} clients"
         out.append(Scenario(f"C{args.concurrency}", what, bench.single, "C", 1))
-    if pgqueuer_driver_name() is not None:
+    if pgqueuer_drain.driver_name() is not None:
         sizes = args.pgqueuer_batch_sizes
         out += [pgqueuer_scenario(bench, p, size) for p in args.processes for size in sizes]
     return out
@@ -305,162 +283,12 @@ def skipped_lines(bench: Bench) -> list[str]:
     lines = []
     if bench.pgbench is None:
         lines.append("B, C: skipped, pgbench not found (beside initdb or on PATH)")
-    if pgqueuer_driver_name() is None:
+    if pgqueuer_drain.driver_name() is None:
         lines.append(
-            f"D: skipped, pgqueuer is not installed ({PGQUEUER_INSTALL}: for this bench only, "
-            "not a dependency of dedupworker)"
+            f"D: skipped, pgqueuer is not installed ({pgqueuer_drain.INSTALL}: for this bench "
+            "only, not a dependency of dedupworker)"
         )
     return lines
-
-
-# --- pgbench -----------------------------------------------------------------------------
-
-
-def run_pgbench(
-    exe: str, dsn: str, script: str, clients: int, transactions: int, *, per_transaction: int
-) -> Measure:
-    """`transactions` per client of `script`; messages/s = tps x `per_transaction`."""
-    with tempfile.NamedTemporaryFile("w", prefix="batch-", suffix=".sql") as file:
-        file.write(script)
-        file.flush()
-        command = [
-            *(exe, "-n", "-M", "prepared", "-f", file.name),
-            *("-c", str(clients), "-j", str(clients), "-t", str(transactions), dsn),
-        ]
-        cpu = children_cpu()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        cpu = children_cpu() - cpu
-    found = [line for line in done.stdout.splitlines() if "without initial connection" in line]
-    if done.returncode != 0 or not found:
-        raise RuntimeError(f"pgbench exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    tps = float(found[0].split("=")[1].split()[0])
-    messages = clients * transactions * per_transaction
-    return Measure(messages, messages / (tps * per_transaction), cpu)
-
-
-# --- D: pgqueuer -------------------------------------------------------------------------
-
-
-async def pgqueuer_queries(dsn: str) -> tuple[Any, Any, Any]:
-    """pgqueuer's Queries over its own schema, their settings and the connection to close."""
-    from pgqueuer.adapters.persistence import qb
-    from pgqueuer.domain.settings import DBSettings
-    from pgqueuer.queries import Queries
-
-    if pgqueuer_driver_name() == "asyncpg":
-        import asyncpg
-        from pgqueuer.db import AsyncpgDriver
-
-        conn: Any = await asyncpg.connect(dsn)
-        driver: Any = AsyncpgDriver(conn)
-    else:
-        from pgqueuer.db import PsycopgDriver
-
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        driver = PsycopgDriver(conn)
-    settings = DBSettings(db_schema=PGQUEUER_SCHEMA)
-    builders = qb.QueryBuilderEnvironment(settings), qb.QueryQueueBuilder(settings)
-    queries = Queries(driver, *builders, qb.QuerySchedulerBuilder(settings))
-    return queries, settings, conn
-
-
-async def pgqueuer_fill(dsn: str, count: int) -> list[int]:
-    """Install pgqueuer's schema if need be and enqueue `count` jobs through its own API."""
-    queries, _, conn = await pgqueuer_queries(dsn)
-    try:
-        if not await queries.schema_is_installed():
-            await queries.install()
-        ids: list[int] = []
-        for start in range(0, count, PGQUEUER_CHUNK):
-            numbers = range(start, min(count, start + PGQUEUER_CHUNK))
-            payloads = [json.dumps({"entity": i}).encode() for i in numbers]
-            ids += await queries.enqueue(["noop"] * len(numbers), payloads, [0] * len(numbers))
-        return ids
-    finally:
-        await conn.close()
-
-
-def pgqueuer_refill(conn: psycopg.Connection[Any], dsn: str, count: int) -> tuple[int, int]:
-    """Empty pgqueuer's tables (queue, log, statistics), refill its queue; first and last id."""
-    if conn.execute("SELECT to_regnamespace(%s)", (PGQUEUER_SCHEMA,)).fetchone() != (None,):
-        tables = ("pgqueuer", "pgqueuer_log", "pgqueuer_statistics")
-        conn.execute("TRUNCATE " + ", ".join(f"{PGQUEUER_SCHEMA}.{t}" for t in tables))
-    ids = asyncio.run(pgqueuer_fill(dsn, count))
-    conn.execute(f"VACUUM ANALYZE {PGQUEUER_SCHEMA}.pgqueuer")
-    return min(ids), max(ids)
-
-
-def pgqueuer_drain(argv: list[str]) -> None:
-    """The child process: drain pgqueuer's queue with a no-op entrypoint (argv: dsn, batch)."""
-    run: Callable[[Any], None] = asyncio.run
-    if importlib.util.find_spec("uvloop") is not None:  # as pgqueuer's command line does
-        import uvloop
-
-        run = uvloop.run
-    run(_drain(argv[1], int(argv[2])))
-
-
-async def _drain(dsn: str, batch: int) -> None:
-    from pgqueuer.domain.types import Channel, QueueExecutionMode
-    from pgqueuer.qm import QueueManager
-
-    queries, settings, conn = await pgqueuer_queries(dsn)
-    manager = QueueManager(queries, channel=Channel(settings.channel))
-
-    @manager.entrypoint("noop")
-    async def noop(job: object) -> None:
-        """Nothing, as bench.noop.Noop."""
-
-    try:
-        await manager.run(batch_size=batch, mode=QueueExecutionMode.drain)
-    finally:
-        await conn.close()
-
-
-class PgqueuerWatcher(Watcher):
-    """postgres_throughput.Watcher over pgqueuer's queue table: a job is gone once its
-    completion is logged (pgqueuer deletes it then)."""
-
-    def _check(self, conn: psycopg.Connection[Any], ids: tuple[int, int]) -> None:
-        now = time.perf_counter()
-        if self.first is None and _gone(conn, ids[0], ids[0]):
-            self.first = now
-        if self.first is not None and _gone(conn, *ids):
-            self.last = now
-
-
-def _gone(conn: psycopg.Connection[Any], low: int, high: int) -> bool:
-    row = conn.execute(PGQUEUER_GONE, (low, high)).fetchone()
-    return bool(row and row[0])
-
-
-def run_pgqueuer(dsn: str, ids: tuple[int, int], processes: int, batch: int) -> Measure:
-    """`processes` pgqueuer processes side by side, until the queue is drained."""
-    command = [sys.executable, "-c", PGQUEUER_CHILD, dsn, str(batch)]
-    with tempfile.TemporaryDirectory(prefix="batches-") as tmp:
-        logs = [Path(tmp) / f"pgqueuer{i}.log" for i in range(processes)]
-        with PgqueuerWatcher(dsn, ids) as watcher:
-            cpu = children_cpu()
-            codes = spawn_all(command, logs)
-            cpu = children_cpu() - cpu
-        failed = [
-            log.read_text(errors="replace")[-3000:]
-            for code, log in zip(codes, logs, strict=True)
-            if code
-        ]
-    if failed or watcher.first is None or watcher.last is None:
-        logs_text = "\n".join(failed)
-        raise RuntimeError(f"pgqueuer exited {codes} (or did not drain its queue):\n{logs_text}")
-    return Measure(ids[1] - ids[0] + 1, watcher.last - watcher.first, cpu)
-
-
-def spawn_all(command: list[str], logs: list[Path]) -> list[int]:
-    """One `command` per log file, side by side (each logging to its file); their exit codes."""
-    procs = []
-    for path in logs:
-        with open(path, "wb") as log:
-            procs.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
-    return [proc.wait() for proc in procs]
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -481,11 +309,11 @@ def run_round(number: int, plan: list[Scenario]) -> Round:
     return result
 
 
-def run_all(dsn: str, args: argparse.Namespace) -> None:
+def run_all(dsn: str, args: argparse.Namespace, server_pid: int | None) -> None:
     queue = f"batches_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
-        bench = Bench(conn, dsn, queue, args, find_pgbench())
+        bench = Bench(conn, dsn, queue, args, find_pgbench(), server_pid)
         print("\n".join(header_lines(conn, args) + skipped_lines(bench)) + "\n", flush=True)
         plan = scenarios(bench)
         print(legend(plan) + "\n", flush=True)
@@ -526,13 +354,14 @@ def legend(plan: list[Scenario]) -> str:
 
 
 def round_table(plan: list[Scenario], result: Round) -> str:
-    head = ["scenario", "messages", "s", "msg/s", "tps", "client CPU µs/msg", "load after"]
+    head = ["scenario", "messages", "s", "msg/s", "tps", "client CPU µs/msg"]
+    head += ["server CPU µs/msg", "load after"]
     lines = []
     for s in plan:
         m = result.measures[s.key]
         tps = f"{m.rate / s.per_transaction:,.0f}" if s.per_transaction else ""
         cells = [s.key, f"{m.messages:,}", f"{m.seconds:.2f}", f"{m.rate:,.0f}", tps]
-        lines.append([*cells, f"{m.cpu_us:.0f}", f"{result.loads[s.key]:.1f}"])
+        lines.append([*cells, f"{m.cpu_us:.0f}", m.server_text(), f"{result.loads[s.key]:.1f}"])
     return markdown(head, lines)
 
 
@@ -550,11 +379,13 @@ def medians_table(plan: list[Scenario], rounds: list[Round]) -> str:
         found = [best(plan, r.measures, group) for r in rounds]
         if all(found):
             rows.append((name, [m for m in found if m is not None]))
-    lines = [
-        [key, spread([m.rate for m in ms], 0), spread([m.cpu_us for m in ms], 0)]
-        for key, ms in rows
-    ]
-    return markdown(["scenario", "msg/s: median (min..max)", "client CPU µs/msg"], lines)
+    lines = []
+    for key, ms in rows:
+        server = [m.server_us for m in ms if m.server_us is not None]
+        cells = [spread([m.rate for m in ms], 0), spread([m.cpu_us for m in ms], 0)]
+        lines.append([key, *cells, spread(server, 0) if len(server) == len(ms) else "n/a"])
+    head = ["scenario", "msg/s: median (min..max)", "client CPU µs/msg", "server CPU µs/msg"]
+    return markdown(head, lines)
 
 
 def ratios(a: Scenario, plan: list[Scenario], rounds: list[Round]) -> list[list[float]]:
@@ -607,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     print("$ " + shlex.join([Path(sys.executable).name, "-m", "bench.batches", *given]))
     server = private_postgres()
     try:
-        run_all(server.start(), args)
+        dsn = server.start()
+        run_all(dsn, args, postmaster_pid(server))
     finally:
         server.stop()
     return 0

@@ -62,7 +62,8 @@ import confluent_kafka
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
-from bench.postgres_throughput import children_cpu, self_cpu, table
+from bench.draining import children_cpu, self_cpu
+from bench.postgres_throughput import table
 from dedupworker import BatchHandler
 from dedupworker.embedded import private_postgres
 from dedupworker.handler import load_handler

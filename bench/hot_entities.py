@@ -3,9 +3,10 @@
 Reports the drain time against its lower bound (the larger of the busiest entity's total handler
 time and the total work divided by the concurrency) and the requeues (contentions) per message.
 The drain time is from the first job's commit to the last one's, seen by polling the queue
-every 10 ms from outside (postgres_throughput.Watcher), as in the throughput benchmark; the
+every 10 ms from outside (bench.draining.Watcher), as in the throughput benchmark; the
 worker processes' own elapsed time (the longest one's, start-up and exit included) and the
-wall time are shown beside it.
+wall time are shown beside it, and per message the workers' client CPU (getrusage of the
+children, start-up included) and the server's (bench.server_cpu, over the drain).
 
 Run from the repository root:  python -m bench.hot_entities
 """
@@ -20,8 +21,10 @@ import sys
 
 import psycopg
 
-from bench.postgres_throughput import Watcher, Workers, add_worker_options, spawn_worker
-from dedupworker import Message, enqueue
+from bench.draining import Watcher, Workers, add_worker_options, spawn_worker
+from bench.postgres_throughput import entity_of
+from bench.server_cpu import ServerCpu, postmaster_pid
+from dedupworker import enqueue
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 
@@ -40,15 +43,11 @@ def fill(dsn: str, args: argparse.Namespace) -> tuple[int, tuple[int, int]]:
     return max(collections.Counter(entities).values()), (ids[0], ids[-1])
 
 
-def entity_of(message: Message) -> object:
-    """bench.sleepy.Sleepy.entity_id: stored with each job (see enqueue's `entity`)."""
-    return message.json()["entity"]
-
-
-def drain(dsn: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+def drain(dsn: str, args: argparse.Namespace) -> tuple[float, float, dict[str, float]]:
+    """The workers' wall time, client CPU and stats (entity_of, bench.sleepy.Sleepy's, stores
+    each job's entity: see enqueue's `entity`)."""
     workers = Workers(args.processes, args.cpu, args.handler, args.tree)
-    wall, _, stats = spawn_worker(dsn, "hot", args.concurrency, workers)
-    return wall, stats
+    return spawn_worker(dsn, "hot", args.concurrency, workers)
 
 
 def main() -> int:
@@ -78,8 +77,8 @@ def main() -> int:
     try:
         dsn = server.start()
         busiest, ids = fill(dsn, args)
-        with Watcher(dsn, ids) as watcher:
-            wall, stats = drain(dsn, args)
+        with ServerCpu(postmaster_pid(server)) as server_cpu, Watcher(dsn, ids) as watcher:
+            wall, cpu, stats = drain(dsn, args)
     finally:
         server.stop()
     if watcher.first is None or watcher.last is None:
@@ -91,14 +90,15 @@ def main() -> int:
     print(
         "| messages | entities | concurrency | processes | entity given | lower bound s "
         "| drain s (first→last job) | worker process s | wall s | drain / bound "
-        "| requeues per message |"
+        "| requeues per message | client CPU µs/msg | server CPU µs/msg |"
     )
-    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {args.messages:,} | {args.entities} | {args.concurrency} | {args.processes} "
         f"| {'yes' if args.given else 'no'} "
         f"| {bound:.2f} | {jobs:.2f} | {elapsed:.2f} | {wall:.2f} | {jobs / bound:.2f} "
-        f"| {stats.get('contended', 0) / args.messages:.2f} |"
+        f"| {stats.get('contended', 0) / args.messages:.2f} "
+        f"| {cpu / args.messages * 1e6:,.0f} | {server_cpu.per_message(args.messages)} |"
     )
     return 0
 

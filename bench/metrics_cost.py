@@ -12,7 +12,8 @@ import sys
 
 import psycopg
 
-from bench.postgres_throughput import refill, require_empty, run_dedupworker
+from bench.draining import Workers, run_dedupworker
+from bench.postgres_throughput import refill, require_empty
 from dedupworker.embedded import private_postgres
 from dedupworker.schema import migrate
 
@@ -26,7 +27,8 @@ def measure(dsn: str, messages: int, concurrency: int, rounds: int) -> dict[str,
         for _ in range(rounds):
             for name, extra in VARIANTS.items():  # interleaved, so drift hits both alike
                 ids = refill(conn, "bench_metrics", messages)
-                result = run_dedupworker(dsn, "bench_metrics", ids, concurrency, *extra)
+                workers = Workers(extra=extra)
+                result = run_dedupworker(dsn, "bench_metrics", ids, concurrency, workers)
                 require_empty(conn, "bench_metrics", name)
                 rates[name].append(result.rate)
                 print(f"  {name}: {result.rate:,.0f} msg/s", file=sys.stderr, flush=True)

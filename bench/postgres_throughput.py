@@ -1,6 +1,6 @@
-"""Postgres-transport throughput: dedupworker vs a plain psycopg loop vs pgbench.
+"""Postgres-transport throughput: dedupworker vs a plain psycopg loop vs pgbench (vs pgqueuer).
 
-All three run the same transaction per message on the same queue table: claim one job
+All of them run the same transaction per message on the same queue table: claim one job
 (FOR UPDATE SKIP LOCKED), pg_try_advisory_xact_lock(77, entity), SAVEPOINT, RELEASE, DELETE the
 job, COMMIT. Round trips per message differ:
 
@@ -15,43 +15,62 @@ B. plain psycopg: C threads, one autocommit connection each, the same statements
 C. pgbench: the same statements as a custom script (-M prepared), the database's ceiling;
    pgbench cannot use gset inside a pipeline, so its BEGIN and claim are two round trips and the
    other five statements one pipeline: three round trips.
+D. pgqueuer, when installed (`pip install 'pgqueuer[asyncpg]'`, not a dependency): the same
+   number of jobs in its own queue on the same server, P processes (as A), each a QueueManager
+   at batch_size C / P, a no-op entrypoint, drain mode (bench.pgqueuer_drain); its own
+   transactions, not the ones above.
+
+Beside msg/s: client CPU per message (getrusage) and the server's (the postmaster and all its
+processes, from /proc, over each drain: bench.server_cpu), which a loaded machine moves far
+less than the wall clock.
 
 Run from the repository root:  python bench/postgres_throughput.py --messages 20000
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: the repository root on the path, for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import argparse
 import functools
 import json
-import operator
 import os
 import platform
-import re
-import resource
 import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
+from bench import pgqueuer_drain
+from bench.draining import (
+    Measure,
+    WorkerMeasure,
+    Workers,
+    add_worker_options,
+    find_pgbench,
+    measured,
+    run_dedupworker,
+    run_idle_worker,
+    run_pgbench,
+    self_cpu,
+)
+from bench.server_cpu import NA, postmaster_pid, readable
 from dedupworker import Message, sql
-from dedupworker.embedded import find_local_bindir, private_postgres
+from dedupworker.embedded import private_postgres
 from dedupworker.producer import enqueue
 from dedupworker.schema import migrate
 
 NAMESPACE = 77  # bench.noop.Noop.lock_namespace
-REPO = Path(__file__).resolve().parent.parent
 LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.keys (int4)
 # The worker's claim (dedupworker.sql.CLAIM_LOCKING) without the given entity's lock.
 PLAIN_CLAIM = """
@@ -61,8 +80,7 @@ WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
 ORDER BY run_at, id LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
-GONE = "SELECT NOT EXISTS (SELECT 1 FROM dedupworker.jobs WHERE id BETWEEN %s AND %s)"
-POLL_SECONDS = 0.01
+M = TypeVar("M", bound=Measure)
 
 PGBENCH_SCRIPT = """\
 BEGIN;
@@ -84,31 +102,6 @@ COMMIT;
 
 
 @dataclass
-class Measure:
-    """`messages` processed in `seconds`, using `cpu` seconds of client CPU."""
-
-    messages: int
-    seconds: float
-    cpu: float
-
-    @property
-    def rate(self) -> float:
-        return self.messages / self.seconds
-
-    @property
-    def cpu_us(self) -> float:
-        return self.cpu / self.messages * 1e6
-
-
-@dataclass
-class WorkerMeasure(Measure):
-    """Also the worker's own elapsed_seconds (stats file) and the subprocess wall time."""
-
-    stats_seconds: float
-    wall_seconds: float
-
-
-@dataclass
 class Row:
     concurrency: int
     worker: WorkerMeasure
@@ -116,6 +109,7 @@ class Row:
     idle: WorkerMeasure  # the same worker started on an empty queue: startup + drain + exit
     plain: Measure
     pgbench: Measure | None
+    pgqueuer: Measure | None
 
 
 # --- setup -------------------------------------------------------------------------------
@@ -128,6 +122,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--concurrency", type=concurrency_list, default=[1, 4, 8], help="e.g. 1,4,8"
     )
     parser.add_argument("--dsn", help="use this database instead of a private PostgreSQL")
+    parser.add_argument(
+        "--server-pid",
+        type=int,
+        help="with --dsn: the postmaster's pid of that server, if it runs on this machine "
+        "(for its CPU; n/a without)",
+    )
     add_worker_options(parser)
     parser.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all levels; tables show the median"
@@ -140,29 +140,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
         parser.error(f"--cpu {args.cpu}: not a CPU this process may run on")
     return args
-
-
-def add_worker_options(parser: argparse.ArgumentParser) -> None:
-    """--processes and --cpu, as `Workers` takes them."""
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        help="worker processes sharing the concurrency (C / P threads each)",
-    )
-    parser.add_argument(
-        "--cpu",
-        type=int,
-        help="run the worker with --cpu CPU (all its threads on that CPU; with --processes, "
-        "the next processes on the next CPUs)",
-    )
-    parser.add_argument(
-        "--tree",
-        type=Path,
-        default=REPO,
-        help="run the worker of this source tree (e.g. a `git worktree` of another commit; "
-        "see bench/trees.py)",
-    )
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -210,129 +187,6 @@ def require_empty(conn: psycopg.Connection[Any], queue: str, scenario: str) -> N
         raise RuntimeError(f"{scenario} left {row[0]} job(s) in the queue")
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def self_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-# --- A: dedupworker ----------------------------------------------------------------------
-
-
-class Watcher:
-    """Polls the queue from outside the worker: when the first job and the last one went."""
-
-    def __init__(self, dsn: str, ids: tuple[int, int]) -> None:
-        self.first: float | None = None
-        self.last: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(dsn, ids), daemon=True)
-
-    def __enter__(self) -> Watcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self, dsn: str, ids: tuple[int, int]) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            while self.last is None:
-                final = self._stop.wait(POLL_SECONDS)
-                self._check(conn, ids)
-                if final:
-                    break
-
-    def _check(self, conn: psycopg.Connection[Any], ids: tuple[int, int]) -> None:
-        now = time.perf_counter()
-        if self.first is None and _gone(conn, ids[0], ids[0]):
-            self.first = now
-        if self.first is not None and _gone(conn, *ids):
-            self.last = now
-
-
-def _gone(conn: psycopg.Connection[Any], low: int, high: int) -> bool:
-    row = conn.execute(GONE, (low, high)).fetchone()
-    return bool(row and row[0])
-
-
-@dataclass(frozen=True)
-class Workers:
-    """How a scenario starts its draining workers: `processes` of them running `handler`,
-    sharing the concurrency, each with `--cpu`, the first on `cpu` and the next ones on the
-    CPUs after it, when `cpu` is set."""
-
-    processes: int = 1
-    cpu: int | None = None
-    handler: str = "bench.noop:Noop"
-    tree: Path = REPO  # whose `dedupworker` runs: `python -m` imports it from the cwd
-
-    def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
-        command = [
-            *(sys.executable, "-m", "dedupworker", "run", self.handler),
-            *("--dsn", dsn, "--queue", queue),
-            *("--concurrency", str(concurrency // self.processes)),
-            *("--drain", "--stats-file", str(stats)),
-        ]
-        if self.cpu is not None:
-            cpus = sorted(os.sched_getaffinity(0))
-            command += ["--cpu", str(cpus[(cpus.index(self.cpu) + index) % len(cpus)])]
-        return command
-
-
-def spawn_worker(
-    dsn: str, queue: str, concurrency: int, workers: Workers
-) -> tuple[float, float, dict[str, Any]]:
-    """Run the draining worker processes side by side; their wall time, CPU time and stats
-    (counts summed, the longest elapsed time)."""
-    with tempfile.TemporaryDirectory(prefix="dedupworker-bench-") as tmp:
-        files = [Path(tmp) / f"stats{i}.json" for i in range(workers.processes)]
-        commands = [
-            workers.command(dsn, queue, concurrency, i, path) for i, path in enumerate(files)
-        ]
-        cpu, started = children_cpu(), time.perf_counter()
-        procs = []
-        for i, command in enumerate(commands):
-            # Logs to a file each: a full pipe would stall a worker while another is read.
-            with open(Path(tmp) / f"worker{i}.log", "wb") as log:
-                procs.append(subprocess.Popen(command, cwd=workers.tree, stdout=log, stderr=log))
-        codes = [proc.wait() for proc in procs]
-        wall, cpu = time.perf_counter() - started, children_cpu() - cpu
-        for i, code in enumerate(codes):
-            if code != 0:
-                log_text = (Path(tmp) / f"worker{i}.log").read_text(errors="replace")
-                raise RuntimeError(f"worker exited {code}:\n{log_text[-3000:]}")
-        stats: dict[str, Any] = {}
-        for path in files:
-            for key, value in json.loads(path.read_text()).items():
-                merge = max if key == "elapsed_seconds" else operator.add
-                stats[key] = merge(stats.get(key, 0), value)
-        return wall, cpu, stats
-
-
-def run_dedupworker(
-    dsn: str, queue: str, ids: tuple[int, int], concurrency: int, workers: Workers
-) -> WorkerMeasure:
-    with Watcher(dsn, ids) as watcher:
-        wall, cpu, stats = spawn_worker(dsn, queue, concurrency, workers)
-    messages = ids[1] - ids[0] + 1
-    if stats.get("succeeded") != messages or watcher.first is None or watcher.last is None:
-        raise RuntimeError(f"worker did not process {messages} messages cleanly: {stats}")
-    return WorkerMeasure(
-        messages, watcher.last - watcher.first, cpu, stats["elapsed_seconds"], wall
-    )
-
-
-def run_idle_worker(dsn: str, queue: str, concurrency: int, workers: Workers) -> WorkerMeasure:
-    wall, cpu, stats = spawn_worker(dsn, queue, concurrency, workers)
-    return WorkerMeasure(1, wall, cpu, stats["elapsed_seconds"], wall)
-
-
 # --- B: plain psycopg --------------------------------------------------------------------
 
 
@@ -378,86 +232,114 @@ def run_plain(dsn: str, queue: str, concurrency: int) -> Measure:
             conn.close()
 
 
-# --- C: pgbench --------------------------------------------------------------------------
-
-
-def find_pgbench() -> str | None:
-    bindir = find_local_bindir()
-    if bindir is not None and (bindir / "pgbench").exists():
-        return str(bindir / "pgbench")
-    return shutil.which("pgbench")
-
-
-def run_pgbench(pgbench: str, dsn: str, queue: str, concurrency: int, per_client: int) -> Measure:
-    with tempfile.NamedTemporaryFile("w", prefix="claim-", suffix=".sql") as script:
-        script.write(PGBENCH_SCRIPT.format(queue=queue, namespace=NAMESPACE))
-        script.flush()
-        command = [
-            *(pgbench, "-n", "-M", "prepared", "-f", script.name),
-            *("-c", str(concurrency), "-j", str(concurrency), "-t", str(per_client), dsn),
-        ]
-        cpu = children_cpu()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        cpu = children_cpu() - cpu
-    match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", done.stdout)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"pgbench exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    messages = concurrency * per_client
-    return Measure(messages, messages / float(match.group(1)), cpu)
-
-
 # --- the run -----------------------------------------------------------------------------
 
 
-def run_level(
-    conn: psycopg.Connection[Any],
-    dsn: str,
-    queue: str,
-    messages: int,
-    concurrency: int,
-    *,
-    workers: Workers,
-) -> Row:
-    """The three scenarios at one concurrency, each on a freshly filled queue."""
-    idle = run_idle_worker(dsn, queue, concurrency, workers)
-    worker = run_dedupworker(dsn, queue, refill(conn, queue, messages), concurrency, workers)
-    require_empty(conn, queue, "dedupworker")
-    ids = refill(conn, queue, messages, given=True)
-    given = run_dedupworker(dsn, queue, ids, concurrency, workers)
-    require_empty(conn, queue, "dedupworker, entities given")
-    refill(conn, queue, messages)
-    plain = run_plain(dsn, queue, concurrency)
-    require_empty(conn, queue, "plain psycopg")
-    pgbench, exe = None, find_pgbench()
-    if exe is not None:
-        per_client = messages // concurrency
-        refill(conn, queue, per_client * concurrency)
-        pgbench = run_pgbench(exe, dsn, queue, concurrency, per_client)
-        require_empty(conn, queue, "pgbench")
-    row = Row(concurrency, worker, given, idle, plain, pgbench)
+@dataclass
+class Bench:
+    """Where the scenarios run, and the postmaster whose CPU is read (None: not measured)."""
+
+    conn: psycopg.Connection[Any]
+    dsn: str
+    queue: str
+    messages: int
+    workers: Workers
+    server_pid: int | None
+
+    def drain(
+        self, scenario: str, count: int, run: Callable[[tuple[int, int]], M], given: bool = False
+    ) -> M:
+        """Refill the queue with `count` jobs, drain it with `run(ids)` (the server's CPU
+        measured meanwhile: whatever it connects is closed by its end), check it is empty."""
+        ids = refill(self.conn, self.queue, count, given=given)
+        measure = measured(self.server_pid, lambda: run(ids))
+        require_empty(self.conn, self.queue, scenario)
+        return measure
+
+    def dedupworker(self, concurrency: int, given: bool) -> WorkerMeasure:
+        """A: the worker processes, over jobs enqueued plainly or with their entity."""
+        scenario = "dedupworker, entities given" if given else "dedupworker"
+        run = functools.partial(run_dedupworker, self.dsn, self.queue)
+        return self.drain(
+            scenario, self.messages, lambda ids: run(ids, concurrency, self.workers), given
+        )
+
+    def plain(self, concurrency: int) -> Measure:
+        """B: C threads in this process."""
+        return self.drain(
+            "plain psycopg", self.messages, lambda _: run_plain(self.dsn, self.queue, concurrency)
+        )
+
+    def pgbench(self, exe: str, concurrency: int) -> Measure:
+        """C: `C x (N // C)` jobs, as many transactions per client."""
+        per_client = self.messages // concurrency
+        script = PGBENCH_SCRIPT.format(queue=self.queue, namespace=NAMESPACE)
+        run = functools.partial(run_pgbench, exe, self.dsn, script, concurrency, per_client)
+        return self.drain("pgbench", per_client * concurrency, lambda _: run())
+
+    def pgqueuer(self, concurrency: int) -> Measure:
+        """D: P processes (as A), each at batch_size C / P, on pgqueuer's own queue."""
+        ids = pgqueuer_drain.refill(self.conn, self.dsn, self.messages)
+        processes = self.workers.processes
+        run = functools.partial(pgqueuer_drain.run, self.dsn, ids, processes)
+        measure = measured(self.server_pid, lambda: run(concurrency // processes))
+        pgqueuer_drain.require_drained(self.conn, measure)
+        return measure
+
+
+def run_level(bench: Bench, concurrency: int) -> Row:
+    """The scenarios at one concurrency, one after the other, each on a freshly filled queue."""
+    idle = run_idle_worker(bench.dsn, bench.queue, concurrency, bench.workers)
+    worker = bench.dedupworker(concurrency, given=False)
+    given = bench.dedupworker(concurrency, given=True)
+    plain = bench.plain(concurrency)
+    exe = find_pgbench()
+    pgbench = bench.pgbench(exe, concurrency) if exe is not None else None
+    pgqueuer = bench.pgqueuer(concurrency) if pgqueuer_drain.driver_name() else None
+    row = Row(concurrency, worker, given, idle, plain, pgbench, pgqueuer)
+    rates = ", ".join(f"{name} {rate_text(m)}" for name, m in scenarios(row))
+    servers = ", ".join(f"{name} {m.server_text() if m else NA}" for name, m in scenarios(row))
     print(
-        f"  concurrency {concurrency}: dedupworker {worker.rate:,.0f}, entities given "
-        f"{given.rate:,.0f}, plain {plain.rate:,.0f}, "
-        f"pgbench {pgbench.rate if pgbench else 0:,.0f} msg/s",
+        f"  concurrency {concurrency}: {rates} msg/s; server CPU µs/msg: {servers}",
         file=sys.stderr,
         flush=True,
     )
     return row
 
 
-def run_all(dsn: str, args: argparse.Namespace) -> tuple[list[str], list[list[Row]]]:
-    """`rounds` sweeps; each sweep runs A, B, C at one concurrency before the next one."""
+def scenarios(row: Row) -> list[tuple[str, Measure | None]]:
+    return [
+        ("dedupworker", row.worker),
+        ("entities given", row.given),
+        ("plain", row.plain),
+        ("pgbench", row.pgbench),
+        ("pgqueuer", row.pgqueuer),
+    ]
+
+
+def run_all(
+    dsn: str, args: argparse.Namespace, server_pid: int | None
+) -> tuple[list[str], list[list[Row]]]:
+    """`rounds` sweeps; each sweep runs every scenario at one concurrency before the next one."""
     queue = f"bench_{os.getpid()}"
     workers = Workers(args.processes, args.cpu, tree=args.tree)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
-        header = machine(conn)
+        header = [*machine(conn), pgqueuer_drain.version_line(), server_line(server_pid)]
+        bench = Bench(conn, dsn, queue, args.messages, workers, server_pid)
         try:
-            level = functools.partial(run_level, conn, dsn, queue, args.messages, workers=workers)
-            rounds = [[level(c) for c in args.concurrency] for _ in range(args.rounds)]
+            rounds = [[run_level(bench, c) for c in args.concurrency] for _ in range(args.rounds)]
         finally:
             conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (queue,))
+            if args.dsn and pgqueuer_drain.driver_name():
+                conn.execute(f"DROP SCHEMA IF EXISTS {pgqueuer_drain.SCHEMA} CASCADE")
     return header, rounds
+
+
+def server_line(server_pid: int | None) -> str:
+    if server_pid is None:
+        return f"server CPU: {NA} (an external server: pass --server-pid where it runs here)"
+    return f"server CPU: postmaster {server_pid} and its processes, from /proc, over each drain"
 
 
 def median_low(measures: list[Any]) -> Any:
@@ -469,6 +351,7 @@ def median_rows(rounds: list[list[Row]]) -> list[Row]:
     medians = []
     for level in zip(*rounds, strict=True):
         pgbench = [r.pgbench for r in level if r.pgbench is not None]
+        pgqueuer = [r.pgqueuer for r in level if r.pgqueuer is not None]
         medians.append(
             Row(
                 level[0].concurrency,
@@ -477,6 +360,7 @@ def median_rows(rounds: list[list[Row]]) -> list[Row]:
                 median_low([r.idle for r in level]),
                 median_low([r.plain for r in level]),
                 median_low(pgbench) if pgbench else None,
+                median_low(pgqueuer) if pgqueuer else None,
             )
         )
     return medians
@@ -491,24 +375,50 @@ def table(head: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def rate_text(m: Measure | None) -> str:
+    return f"{m.rate:,.0f}" if m else NA
+
+
+def over(a: Measure, b: Measure | None) -> float | None:
+    return a.rate / b.rate if b else None
+
+
+def server_us(m: Measure | None) -> float | None:
+    return m.server_us if m else None
+
+
+def ratio(a: Measure, b: Measure | None) -> str:
+    found = over(a, b)
+    return NA if found is None else f"{found:.2f}"
+
+
+def server_text(m: Measure | None) -> str:
+    return m.server_text() if m else NA
+
+
 def summary(rows: list[Row]) -> str:
-    head = ["concurrency", "dedupworker msg/s", "entities given msg/s", "plain psycopg msg/s"]
-    head += ["pgbench tps", "dedupworker/pgbench", "entities given/pgbench", "dedupworker/plain"]
-    lines = []
-    for r in rows:
-        tps = r.pgbench.rate if r.pgbench else None
-        lines.append(
-            [
-                str(r.concurrency),
-                f"{r.worker.rate:,.0f}",
-                f"{r.given.rate:,.0f}",
-                f"{r.plain.rate:,.0f}",
-                f"{tps:,.0f}" if tps else "n/a",
-                f"{r.worker.rate / tps:.2f}" if tps else "n/a",
-                f"{r.given.rate / tps:.2f}" if tps else "n/a",
-                f"{r.worker.rate / r.plain.rate:.2f}",
-            ]
-        )
+    head = ["concurrency", "dedupworker msg/s", "dedupworker server µs/msg"]
+    head += ["entities given msg/s"]
+    head += ["plain psycopg msg/s", "pgbench tps", "pgbench server µs/msg", "pgqueuer msg/s"]
+    head += ["dedupworker/pgbench", "entities given/pgbench", "dedupworker/plain"]
+    head += ["dedupworker/pgqueuer"]
+    lines = [
+        [
+            str(r.concurrency),
+            rate_text(r.worker),
+            r.worker.server_text(),
+            rate_text(r.given),
+            rate_text(r.plain),
+            rate_text(r.pgbench),
+            server_text(r.pgbench),
+            rate_text(r.pgqueuer),
+            ratio(r.worker, r.pgbench),
+            ratio(r.given, r.pgbench),
+            ratio(r.worker, r.plain),
+            ratio(r.worker, r.pgqueuer),
+        ]
+        for r in rows
+    ]
     return table(head, lines)
 
 
@@ -516,6 +426,7 @@ def details(rows: list[Row]) -> str:
     head = ["concurrency", "first→last job s", "stats elapsed s", "msg/s by stats"]
     head += ["wall s", "msg/s by wall", "idle worker wall s"]
     head += ["client CPU µs/msg: dedupworker", "entities given", "plain", "pgbench"]
+    head += ["pgqueuer (start-up included)"]
     lines = []
     for r in rows:
         w = r.worker
@@ -533,29 +444,58 @@ def details(rows: list[Row]) -> str:
                 f"{busy_cpu:.0f}",
                 f"{given_cpu:.0f}",
                 f"{r.plain.cpu_us:.0f}",
-                f"{r.pgbench.cpu_us:.0f}" if r.pgbench else "n/a",
+                f"{r.pgbench.cpu_us:.0f}" if r.pgbench else NA,
+                f"{r.pgqueuer.cpu_us:.0f}" if r.pgqueuer else NA,
             ]
         )
     return table(head, lines)
 
 
+def server_details(rows: list[Row]) -> str:
+    head = ["concurrency", *(name for name, _ in scenarios(rows[0]))]
+    lines = [[str(r.concurrency), *(server_text(m) for _, m in scenarios(r))] for r in rows]
+    return table(head, lines)
+
+
 def spread(rounds: list[list[Row]]) -> str:
     head = ["concurrency", "dedupworker msg/s", "entities given msg/s", "plain psycopg msg/s"]
-    head += ["pgbench tps"]
-    picks: list[Callable[[Row], Measure | None]] = [
-        lambda r: r.worker,
-        lambda r: r.given,
-        lambda r: r.plain,
-        lambda r: r.pgbench,
-    ]
+    head += ["pgbench tps", "pgqueuer msg/s"]
     lines = []
     for level in zip(*rounds, strict=True):
         cells = [str(level[0].concurrency)]
-        for pick in picks:
-            rates = sorted(pick(r).rate for r in level if pick(r) is not None)
-            cells.append(f"{rates[0]:,.0f}..{rates[-1]:,.0f}" if rates else "n/a")
+        for index in range(len(head) - 1):
+            found = [scenarios(r)[index][1] for r in level]
+            rates = sorted(m.rate for m in found if m is not None)
+            cells.append(f"{rates[0]:,.0f}..{rates[-1]:,.0f}" if rates else NA)
         lines.append(cells)
     return table(head, lines)
+
+
+# Per round: the figure's name, its value from one round's row, its format.
+PER_ROUND: list[tuple[str, Callable[[Row], float | None], str]] = [
+    ("dedupworker / pgbench msg/s", lambda r: over(r.worker, r.pgbench), ".2f"),
+    ("entities given / pgbench msg/s", lambda r: over(r.given, r.pgbench), ".2f"),
+    ("dedupworker / pgqueuer msg/s", lambda r: over(r.worker, r.pgqueuer), ".2f"),
+    ("server µs/msg: dedupworker", lambda r: r.worker.server_us, ",.0f"),
+    ("server µs/msg: pgbench", lambda r: server_us(r.pgbench), ",.0f"),
+    ("server µs/msg: pgqueuer", lambda r: server_us(r.pgqueuer), ",.0f"),
+]
+
+
+def per_round(rounds: list[list[Row]]) -> str:
+    """The ratios (and server CPU) of each round, their median and min..max, per level."""
+    head = ["concurrency", "figure", *(f"round {i + 1}" for i in range(len(rounds)))]
+    head += ["median", "min..max"]
+    lines = []
+    for level in zip(*rounds, strict=True):
+        for name, pick, form in PER_ROUND:
+            values = [pick(r) for r in level]
+            found = [v for v in values if v is not None]
+            cells = [NA if v is None else format(v, form) for v in values]
+            middle = format(statistics.median(found), form) if found else NA
+            span = f"{min(found):{form}}..{max(found):{form}}" if found else NA
+            lines.append([str(level[0].concurrency), name, *cells, middle, span])
+    return table(head, lines).replace("|---:|---:|", "|---:|---|", 1)
 
 
 def report(header: list[str], args: argparse.Namespace, rounds: list[list[Row]]) -> None:
@@ -563,8 +503,13 @@ def report(header: list[str], args: argparse.Namespace, rounds: list[list[Row]])
     print("\n".join(header))
     print(f"{args.messages} messages per scenario, median of {args.rounds} round(s)")
     each = f"concurrency / {args.processes} threads each"
-    print(f"dedupworker: {args.processes} process(es), {each}\n")
+    print(f"dedupworker: {args.processes} process(es), {each}")
+    print(f"pgqueuer: {args.processes} process(es), batch_size = concurrency / {args.processes}\n")
     print(summary(rows))
+    if not pgqueuer_drain.driver_name():
+        print(f"\npgqueuer: {NA}, not installed ({pgqueuer_drain.INSTALL} to run it)")
+    print("\nEach round's ratios (dedupworker: jobs enqueued plainly) and server CPU:\n")
+    print(per_round(rounds))
     print("\nSpread over the rounds (min..max):\n")
     print(spread(rounds))
     print(
@@ -572,6 +517,8 @@ def report(header: list[str], args: argparse.Namespace, rounds: list[list[Row]])
         "idle worker's):\n"
     )
     print(details(rows))
+    print("\nServer CPU per message (the median round's of each scenario):\n")
+    print(server_details(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     server = None if args.dsn else private_postgres()
     try:
         dsn = server.start() if server is not None else args.dsn
-        header, rounds = run_all(dsn, args)
+        server_pid = postmaster_pid(server) if server is not None else readable(args.server_pid)
+        header, rounds = run_all(dsn, args, server_pid)
     finally:
         if server is not None:
             server.stop()

@@ -10,9 +10,10 @@ each `--concurrency` level in turn, on a private PostgreSQL started with the def
 not start after T s: <the worker's error>".
 
 Reported per level: messages/s sustained (first→last job, seen by polling the queue from
-outside, postgres_throughput.Watcher), the drain time against its lower bound (the larger of
+outside, bench.draining.Watcher), the drain time against its lower bound (the larger of
 the busiest entity's total work and the total work divided by the concurrency), client CPU per
-message (the worker's, minus an idle worker's at the same concurrency), and the worker's server
+message (the worker's, minus an idle worker's at the same concurrency), server CPU per message
+(the private PostgreSQL's over the drain, from /proc: bench.server_cpu), and the worker's server
 connections: backends whose application_name starts with "dedupworker", sampled from
 pg_stat_activity every 100 ms (max over the worker's life; median, and `idle in transaction`,
 over first→last job).
@@ -44,20 +45,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import psycopg
 
-from bench.hot_entities import entity_of
-from bench.postgres_throughput import (
-    Watcher,
-    Workers,
-    add_worker_options,
-    concurrency_list,
-    machine,
-    spawn_worker,
-)
+from bench.draining import Watcher, Workers, add_worker_options, spawn_worker
+from bench.postgres_throughput import concurrency_list, entity_of, machine
+from bench.server_cpu import ServerCpu, postmaster_pid, us_per_message
 from dedupworker import enqueue
 from dedupworker.embedded import LocalPostgres, find_local_bindir
 from dedupworker.schema import migrate
@@ -92,16 +86,6 @@ class DefaultServer(LocalPostgres):
         self._pg(
             "pg_ctl", "-D", str(self.data), "-l", log, "-w", "-t", "60", "-o", options, "start"
         )
-
-
-@dataclass(frozen=True)
-class SlowWorkers(Workers):
-    """Workers with extra `dedupworker run` arguments (another engine's options, say)."""
-
-    extra: tuple[str, ...] = ()
-
-    def command(self, dsn: str, queue: str, concurrency: int, index: int, stats: Path) -> list[str]:
-        return [*super().command(dsn, queue, concurrency, index, stats), *self.extra]
 
 
 class Sample(NamedTuple):
@@ -144,6 +128,7 @@ class Level:
     bound: float
     seconds: float = 0.0  # first→last job
     cpu: float = 0.0  # the worker's CPU minus an idle worker's
+    server: float | None = None  # the server's CPU over the run (None: not measured)
     contended: int = 0
     error: str | None = None
     samples: list[Sample] = field(default_factory=list)
@@ -184,22 +169,23 @@ def fill(dsn: str, args: argparse.Namespace, fresh: bool = False) -> tuple[int, 
 
 
 def run_level(
-    dsn: str, args: argparse.Namespace, setup: tuple[str, int], workers: Workers
+    dsn: str, args: argparse.Namespace, setup: tuple[str, int, int | None], workers: Workers
 ) -> Level:
-    engine, concurrency = setup
+    """One engine at one concurrency (`setup`, with the postmaster's pid)."""
+    engine, concurrency, server_pid = setup
     busiest, ids = fill(dsn, args, fresh=engine.endswith(FRESH))
     work = args.work_ms / 1000
     bound = max(busiest, args.messages / concurrency) * work
     level = Level(engine, concurrency, args.messages, bound)
     started = time.perf_counter()
-    with Sampler(dsn) as sampler, Watcher(dsn, ids) as watcher:
+    with ServerCpu(server_pid) as server, Sampler(dsn) as sampler, Watcher(dsn, ids) as watcher:
         try:
             _, cpu, stats = spawn_worker(dsn, QUEUE, concurrency, workers)
         except RuntimeError as failure:
             verb = "did not start" if watcher.first is None else "failed after its first job"
             level.error = f"{verb} after {time.perf_counter() - started:.1f} s: "
             level.error += worker_error(failure)
-    level.samples = sampler.samples
+    level.samples, level.server = sampler.samples, server.seconds
     if level.error is None:
         settle(level, watcher, cpu, stats, idle_cpu(dsn, concurrency, workers))
     return level
@@ -222,7 +208,7 @@ def row(level: Level) -> list[str]:
     cells = [level.engine, str(level.concurrency), f"{level.messages:,}"]
     if level.error is not None:
         peak = max((s.backends for s in level.samples), default=0)
-        return [*cells, level.error.replace("|", "\\|"), *["n/a"] * 5, str(peak), *["n/a"] * 3]
+        return [*cells, level.error.replace("|", "\\|"), *["n/a"] * 6, str(peak), *["n/a"] * 3]
     backends = [s.backends for s in level.busy()] or [0]
     idle = [s.idle for s in level.busy()] or [0]
     return [
@@ -233,6 +219,7 @@ def row(level: Level) -> list[str]:
         f"{level.bound:.1f}",
         f"{level.seconds / level.bound:.2f}",
         f"{level.cpu / level.messages * 1e6:,.0f}",
+        us_per_message(level.server, level.messages),
         str(max((s.backends for s in level.samples), default=0)),
         f"{statistics.median(backends):.0f}",
         f"{max(idle)} / {statistics.median(idle):.0f}",
@@ -242,7 +229,8 @@ def row(level: Level) -> list[str]:
 
 def table(levels: list[Level]) -> str:
     head = ["engine", "concurrency", "messages", "result", "msg/s (first→last job)", "drain s"]
-    head += ["lower bound s", "drain / bound", "client CPU µs/msg", "worker conns max"]
+    head += ["lower bound s", "drain / bound", "client CPU µs/msg", "server CPU µs/msg"]
+    head += ["worker conns max"]
     head += ["worker conns median", "idle in transaction max / median", "requeues per message"]
     out = ["| " + " | ".join(head) + " |", "|---|---:|---:|---|" + "---:|" * (len(head) - 4)]
     return "\n".join([*out, *("| " + " | ".join(row(level)) + " |" for level in levels)])
@@ -327,7 +315,7 @@ def header(dsn: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print("$ " + shlex.join(["python", "-m", "bench.slow_handlers", *sys.argv[1:]]), flush=True)
-    workers = SlowWorkers(args.processes, args.cpu, args.handler, args.tree, tuple(args.worker_arg))
+    workers = Workers(args.processes, args.cpu, args.handler, args.tree, tuple(args.worker_arg))
     engines = {
         "transaction": workers,
         "session": dataclasses.replace(workers, handler=args.session_handler),
@@ -335,10 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     engines["session" + FRESH] = engines["session"]
     server, dsn = start_server()
     try:
-        lines = header(dsn)
+        lines, pid = header(dsn), postmaster_pid(server)
         levels = []
         for engine, concurrency in setups(args):
-            levels.append(run_level(dsn, args, (engine, concurrency), engines[engine]))
+            levels.append(run_level(dsn, args, (engine, concurrency, pid), engines[engine]))
             print(
                 f"  {engine} at {concurrency}: " + ", ".join(row(levels[-1])[3:5]), file=sys.stderr
             )

@@ -19,8 +19,10 @@ Reported per engine, per tenth of the messages (its start and end, and the claim
 interpolated between samples; dead tuples and runs from the first sample at or after its end,
 and n_dead_tup lags by up to about a second: backends flush their counts at most once a second):
 msg/s, claims, server µs and buffers per claim; then the last tenth's msg/s over the first's,
-the whole drain's msg/s (first to last job) and the worker's client CPU per message (getrusage
-of children: interpreter start-up and the drain's end included).
+the whole drain's msg/s (first to last job), the worker's client CPU per message (getrusage
+of children: interpreter start-up and the drain's end included) and the server's (the
+postmaster and all its processes, autovacuum and the sampler's queries included, from /proc
+while the worker ran: bench.server_cpu).
 
 Run from the repository root:  python -m bench.sustained [--messages 1000000]
 """
@@ -39,7 +41,9 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from bench.postgres_throughput import REPO, Workers, entity_of, machine, spawn_worker, table
+from bench.draining import REPO, Workers, spawn_worker
+from bench.postgres_throughput import entity_of, machine, table
+from bench.server_cpu import ServerCpu, us_per_message
 from dedupworker import enqueue
 from dedupworker.embedded import LocalPostgres, find_local_bindir
 from dedupworker.schema import migrate
@@ -178,6 +182,7 @@ class Result:
     samples: list[Sample]
     wall: float  # the worker process, start to exit
     cpu: float  # its user + system time
+    server: float | None  # the server's CPU time meanwhile (None: not measured)
 
     def points(self) -> list[Sample]:
         base = self.samples[0].done
@@ -229,11 +234,12 @@ def run_engine(engine: str, args: argparse.Namespace, bindir: Path) -> tuple[lis
             fill(conn, args.messages, args.given, engine)
         workers = Workers(cpu=args.cpu, handler=ENGINES[engine], tree=args.tree)
         with Sampler(dsn, args.interval, engine, args.messages) as sampler:
-            wall, cpu, stats = spawn_worker(dsn, QUEUE, args.concurrency, workers)
+            with ServerCpu(server.pid()) as server_cpu:
+                wall, cpu, stats = spawn_worker(dsn, QUEUE, args.concurrency, workers)
             time.sleep(SETTLE)  # for the last sample: the backends' table counts flushed
     finally:
         server.stop()
-    result = Result(engine, args.messages, sampler.samples, wall, cpu)
+    result = Result(engine, args.messages, sampler.samples, wall, cpu, server_cpu.seconds)
     done = result.samples[-1].done - result.samples[0].done
     if stats.get("succeeded") != args.messages or done != args.messages:
         raise RuntimeError(f"{engine}: {done:,.0f} rows deleted, worker stats {stats}")
@@ -285,7 +291,10 @@ def report(args: argparse.Namespace, header: list[str], results: list[Result]) -
             f"whole drain: {result.messages / drain:,.0f} msg/s ({drain:.1f} s first to last "
             f"job; worker process {result.wall:.1f} s)"
         )
-        print(f"worker client CPU: {result.cpu / result.messages * 1e6:.0f} µs/msg")
+        print(
+            f"worker client CPU: {result.cpu / result.messages * 1e6:.0f} µs/msg, server CPU: "
+            f"{us_per_message(result.server, result.messages)} µs/msg"
+        )
         print(
             f"dead tuples / autovacuums / autoanalyzes: before the drain {first.dead:,} / "
             f"{first.autovacuums} / {first.autoanalyzes}, {SETTLE:g} s after it {last.dead:,} / "

@@ -9,7 +9,7 @@ endpoint in turn, so each endpoint gets deliveries/endpoints of them, in sequenc
 (bench.slow_handlers.DefaultServer).
 
 Reported: deliveries/s sustained (first→last job, seen from outside the worker,
-postgres_throughput.Watcher) against the bound (the busiest endpoint's deliveries one after the
+bench.draining.Watcher) against the bound (the busiest endpoint's deliveries one after the
 other, or all of them at the concurrency); the worker's server connections (pg_stat_activity,
 application_name LIKE 'dedupworker%', bench.slow_handlers.Sampler); what the server saw per
 endpoint (the most requests in flight at once, which must be 1; deliveries out of their
@@ -50,8 +50,8 @@ from typing import Any
 
 import psycopg
 
-from bench.postgres_throughput import REPO, Watcher, spawn_worker
-from bench.slow_handlers import Sampler, SlowWorkers, header, start_server, worker_error
+from bench.draining import REPO, Watcher, Workers, spawn_worker
+from bench.slow_handlers import Sampler, header, start_server, worker_error
 from dedupworker.schema import migrate
 from dedupworker.webhooks import SessionWebhookDelivery, add_endpoint, enqueue_deliveries
 from dedupworker.webhooks.async_sending import AsyncSender
@@ -209,7 +209,7 @@ def fill(dsn: str, args: argparse.Namespace, port: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class ProfiledWorkers(SlowWorkers):
+class ProfiledWorkers(Workers):
     """With `profile` set, the worker starts through this module's `--run-profiled FILE`: the
     same command, its event loop's thread under cProfile."""
 
