@@ -37,6 +37,7 @@ from .attributes import (
 )
 from .client import _client, _explain, _redrive_note, _visibility
 from .inbox import BATCH, _chunks, _Inbox
+from .keeper import Keeper
 from .options import MAX_VISIBILITY, SqsOptions
 from .state import STATE, _Receipt, _receipt, _State, _string
 
@@ -83,13 +84,11 @@ class SqsTransport:
         # FIFO: no prefetch. A message handed back takes the rest of its group with it, and
         # every such receive would count toward the redrive policy's maxReceiveCount.
         self._inbox = _Inbox(self.fifo, 0 if self.fifo else self.options.prefetch)
-        self._visibility_lock = threading.RLock()
-        self._tick = max(0.2, min(self.visibility / 4, 5.0))
         self._next_depth = 0.0
         self._closed = False
-        self._keeper = threading.Thread(target=self._keep, name=f"dedupworker-sqs-{queue_name}")
-        self._keeper.daemon = True
-        self._keeper.start()
+        self._keeper = Keeper(self.client, self.url, self._inbox, self.visibility, self._beaten)
+        self._visibility_lock = self._keeper.visibility_lock
+        self._hand_back = self._keeper.hand_back
         log.info(
             "sqs: %s (%s queue, visibility %ds, long polls of %ds), dead letters to %s%s",
             self.url,
@@ -130,7 +129,7 @@ class SqsTransport:
         the others one by one. Each is carried out whatever an earlier one raised."""
         self._inbox.deleting(settlements.acks)
         for chunk in _chunks(settlements.acks):
-            self._delete(chunk)
+            self._keeper.delete(chunk)
         settlements.carry_out_others(self, None)
 
     def requeue(
@@ -348,93 +347,11 @@ class SqsTransport:
                 # FIFO: they stay behind it, since its group is blocked while it is invisible.
                 self._hand_back(followers)
 
-    def _hand_back(self, deliveries: list[Delivery]) -> None:
-        """Visible again at once, best effort: what fails returns after its visibility ends."""
-        with self._visibility_lock:
-            for chunk in _chunks(deliveries):
-                try:
-                    self._change_visibility(chunk, 0)
-                except (BotoCoreError, ClientError) as exc:
-                    log.warning("sqs: could not hand back %d message(s): %s", len(chunk), exc)
-
-    def _keep(self) -> None:
-        due = 0.0
-        while True:
-            batch = self._inbox.take_deletes(max(0.0, due - time.monotonic()))
-            if batch:
-                self._delete(batch)
-            elif self._inbox.closed:
-                return
-            if time.monotonic() >= due:
-                self._beat()
-                due = time.monotonic() + self._tick
-
-    def _delete(self, batch: list[Delivery]) -> None:
-        entries = [{"Id": str(i), "ReceiptHandle": _receipt(d).handle} for i, d in enumerate(batch)]
-        try:
-            response = self.client.delete_message_batch(QueueUrl=self.url, Entries=entries)
-        except (BotoCoreError, ClientError) as exc:
-            self._delete_failed(batch, exc)
-            return
-        for failure in response.get("Failed", []):
-            log.warning(
-                "sqs: could not delete message %s (%s: %s); it will be delivered again and "
-                "acknowledged as a duplicate",
-                batch[int(failure["Id"])].message.id,
-                failure.get("Code"),
-                failure.get("Message"),
-            )
-        self._inbox.forget(batch)
-
-    def _delete_failed(self, batch: list[Delivery], exc: Exception) -> None:
-        if self._inbox.closed:
-            log.error(
-                "sqs: %d processed message(s) could not be deleted (%s); they will be delivered "
-                "again and acknowledged as duplicates",
-                len(batch),
-                exc,
-            )
-            self._inbox.forget(batch)
-            return
-        log.warning("sqs: deleting %d message(s) failed (%s); retrying", len(batch), exc)
-        self._inbox.retry_deletes(batch)
-        time.sleep(1.0)
-
-    def _beat(self) -> None:
-        try:
-            self._extend_expiring()
-            if self.config.metrics_port is not None and time.monotonic() >= self._next_depth:
-                self._next_depth = time.monotonic() + DEPTH_INTERVAL
-                self.depth()
-        except (BotoCoreError, ClientError) as exc:
-            log.warning("sqs: heartbeat failed: %s", exc)
-
-    def _extend_expiring(self) -> None:
-        """Extend every held message whose visibility ends within half the timeout."""
-        with self._visibility_lock:
-            started = time.monotonic()
-            for chunk in _chunks(self._inbox.expiring(started + self.visibility / 2)):
-                extended = self._change_visibility(chunk, self.visibility)
-                for delivery in extended:
-                    _receipt(delivery).deadline = started + self.visibility
-
-    def _change_visibility(self, chunk: list[Delivery], seconds: int) -> list[Delivery]:
-        entries = [
-            {"Id": str(i), "ReceiptHandle": _receipt(d).handle, "VisibilityTimeout": seconds}
-            for i, d in enumerate(chunk)
-        ]
-        response = self.client.change_message_visibility_batch(QueueUrl=self.url, Entries=entries)
-        for failure in response.get("Failed", []):
-            delivery = chunk[int(failure["Id"])]
-            if seconds == 0 or self._inbox.is_held(delivery):
-                log.warning(
-                    "sqs: visibility of message %s not changed to %ds (%s: %s)",
-                    delivery.message.id,
-                    seconds,
-                    failure.get("Code"),
-                    failure.get("Message"),
-                )
-        return [chunk[int(entry["Id"])] for entry in response.get("Successful", [])]
+    def _beaten(self) -> None:
+        """After a heartbeat: the queue's depth for the metrics, every DEPTH_INTERVAL."""
+        if self.config.metrics_port is not None and time.monotonic() >= self._next_depth:
+            self._next_depth = time.monotonic() + DEPTH_INTERVAL
+            self.depth()
 
 
 def _whole_seconds(delay: float, cap: int) -> int:
