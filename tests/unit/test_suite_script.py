@@ -1,10 +1,12 @@
 """scripts/test runs the fault suites whatever the parallel phase gave, and its last lines count
-both phases: here over a tiny suite of its own (TEST_SUITE_ONLY=1: no installs, no lint)."""
+both phases, and the console scripts of the Python it runs in come first on PATH: here over tiny
+suites of its own (TEST_SUITE_ONLY=1: no installs, no lint)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -58,3 +60,39 @@ def test_both_phases_passing_end_with_status_0(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-2:]
     assert last == ["suite: parallel 2 passed; fault suites 1 passed", "3 passed, 0 failed"]
+
+
+ON_PATH_SUITE = """\
+import os
+import shutil
+import sys
+
+
+def test_the_suites_python_comes_first_on_path():
+    found = shutil.which("python")
+    assert found is not None and os.path.dirname(found) == os.path.dirname(sys.executable)
+"""
+
+
+def test_the_console_scripts_of_a_virtualenv_not_activated_come_first(tmp_path: Path) -> None:
+    # A virtualenv named by VIRTUAL_ENV, its bin directory not on PATH (not activated): the
+    # suite must still run its console scripts (`dedupworker`), not whatever PATH has first.
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    (tmp_path / "pytest.ini").write_text(MARKERS)
+    (tmp_path / "test_tiny.py").write_text(ON_PATH_SUITE)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if str(venv) not in p)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "test"), "-p", "no:dedupworker", str(tmp_path / "test_tiny.py")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TEST_SUITE_ONLY": "1", "VIRTUAL_ENV": str(venv), "PATH": path},
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "1 passed, 0 failed"
