@@ -5,8 +5,9 @@ transport.py    KafkaTransport and its consumer thread (its docstring tells the 
 buffer.py       the per-key buffer of polled messages that handler threads take from
 partitions.py   buffered messages and each partition's gap-aware commit offset
 dead_letter.py  the dead-letter producer and its headers
+drain.py        the --drain check: has the group consumed the whole topic?
 probe.py        the --drain end probe
-client.py       librdkafka settings, making a client, wording its errors
+client.py       librdkafka settings, making a client, the reachability check, wording its errors
 """
 
 from .options import KafkaOptions

@@ -8,8 +8,10 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, TransportError
 from .options import FIXED_CONSUMER, KafkaOptions
+
+log = logging.getLogger("dedupworker.kafka")
 
 # One consume() call of a consumer here: at most this many messages, waiting at most this long.
 POLL_TIMEOUT = 0.1
@@ -56,6 +58,22 @@ def _client(kind: Any, settings: dict[str, Any]) -> Any:
         raise ConfigurationError(
             f"invalid Kafka setting: {_describe(exc)} (check the -X / --kafka-option values)"
         ) from exc
+
+
+def check_reachable(consumer: Any, topic: str, servers: str | None, timeout: float) -> None:
+    """At start: the broker answers within `timeout`, else the consumer is closed and the worker
+    stops with an error naming the fix; a topic that does not exist yet is only logged."""
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout)
+    except KafkaException as exc:
+        consumer.close()
+        raise TransportError(
+            f"cannot reach Kafka at {servers} within {timeout:g}s ({_describe(exc)}): check "
+            "--bootstrap-servers / DEDUPWORKER_BOOTSTRAP_SERVERS and the -X security settings"
+        ) from exc
+    found = meta.topics.get(topic)
+    if found is None or found.error is not None:
+        log.warning("topic %r does not exist (yet); waiting for it to be created", topic)
 
 
 class _OtherClientsSettings(logging.Filter):

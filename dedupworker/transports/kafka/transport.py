@@ -11,13 +11,13 @@ rebalance callbacks, pauses and resumes partitions and commits. Handler threads 
 - the offset committed for a partition is its first unfinished offset (faust's `_new_offset`),
   so a crash re-delivers exactly the unfinished tail and never skips a message waiting to retry.
 
-With `--drain` the worker exits only once the whole topic is consumed by its group: every
-partition's committed offset is its end, found by fetching from it (not by ListOffsets, which
-some brokers answer wrongly): the consumer's own end-of-partition events for the partitions it
-holds, the end probe (probe.py) for the others. Its own partitions being done is not enough
-unless they are all the topic's: a partition of a member that was killed is handed to a live
-member only once the broker expired the dead one's session, and a worker that left before then
-would leave that partition to nobody.
+With `--drain` the worker exits only once the whole topic is consumed by its group (the check:
+drain.py): every partition's committed offset is its end, found by fetching from it (not by
+ListOffsets, which some brokers answer wrongly): the consumer's own end-of-partition events for
+the partitions it holds, the end probe (probe.py) for the others. Its own partitions being done
+is not enough unless they are all the topic's: a partition of a member that was killed is
+handed to a live member only once the broker expired the dead one's session, and a worker that
+left before then would leave that partition to nobody.
 
 The batch and session-lock engines take many messages in one step (`receive_many`) and the
 batch engine settles its acknowledgements in one (`settle_many`), each one hold of the
@@ -32,15 +32,7 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    OFFSET_END,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ... import metrics
 from ...config import WorkerConfig
@@ -48,11 +40,11 @@ from ...errors import TransportError
 from ...message import Message
 from ...transport import Delivery, Settlements
 from .buffer import _Buffer
-from .client import POLL_BATCH, POLL_TIMEOUT, _client, _describe, _hint, client_settings
+from .client import POLL_BATCH, POLL_TIMEOUT, _client, _hint, check_reachable, client_settings
 from .dead_letter import DEAD_LETTER_TIMEOUT, produce_dead_letter
+from .drain import _DrainCheck
 from .options import KafkaOptions
 from .partitions import _Partition, _Pending, _pending
-from .probe import PROBE_SETTINGS, _EndProbe
 
 log = logging.getLogger("dedupworker.kafka")
 
@@ -67,18 +59,6 @@ PAUSE_PER_THREAD = 100
 DEAD_LETTER_RETRY_DELAY = 5.0
 # At close the worker has already waited --shutdown-timeout for its handler threads.
 CLOSE_WAIT = 1.0
-# --drain: how often an idle worker asks whether the group has consumed the whole topic, and how
-# long one such check may take before it counts as "not yet".
-DRAIN_CHECK_INTERVAL = 0.5
-DRAIN_CHECK_TIMEOUT = 2.0
-# --drain: seconds from start during which a worker with no partition assigned yet does not ask
-# (the check blocks the consumer thread, whose polls are what completes the group join); after
-# that a member left without partitions asks all the same.
-DRAIN_ASSIGN_GRACE = 5.0
-# --drain: seconds after the last message or assignment during which an idle worker waits for
-# the end-of-partition events of its partitions before asking the broker (the end probe) anyway.
-DRAIN_END_WAIT = 1.0
-RESET_TO_END = {"latest", "largest", "end"}
 
 
 class KafkaTransport:
@@ -97,21 +77,19 @@ class KafkaTransport:
         self._revoke_wait = config.shutdown_timeout
         self._stopping = threading.Event()
         self._closed = False
-        # --drain: set by the consumer thread once the group has consumed the whole topic,
-        # cleared whenever a message arrives.
-        self._topic_consumed = threading.Event()
-        self._next_drain_check = time.monotonic()
-        # Whether the last drain check found this worker's partitions at their ends, and when
-        # messages or partitions last arrived.
-        self._asked_at_end = False
-        self._last_arrival = time.monotonic()
-        self._no_assignment_until = time.monotonic() + DRAIN_ASSIGN_GRACE
-        reset = str(consumer_settings.get("auto.offset.reset", "earliest")).lower()
-        self._reset_offset = OFFSET_END if reset in RESET_TO_END else OFFSET_BEGINNING
-        self._probe = _EndProbe({**consumer_settings, **PROBE_SETTINGS})
         self._consumer = _client(Consumer, consumer_settings)
         self._producer = _client(Producer, producer_settings)
-        self._check_reachable()
+        self._drain = _DrainCheck(
+            self.topic,
+            self._buffer,
+            self._consumer,
+            self._producer,
+            settings=consumer_settings,
+            commit=self._commit,
+        )
+        check_reachable(
+            self._consumer, self.topic, self.options.bootstrap_servers, self.config.connect_timeout
+        )
         self._consumer.subscribe(
             [self.topic],
             on_assign=self._on_assign,
@@ -204,7 +182,7 @@ class KafkaTransport:
     def is_drained(self) -> bool:
         """The group committed every partition of the topic up to its end, and nothing held
         here is unfinished (see the module docstring)."""
-        return self._topic_consumed.is_set() and self._buffer.settled()
+        return self._drain.consumed.is_set() and self._buffer.settled()
 
     def close(self) -> None:
         """Finish like a revoke of every partition, commit, leave the group."""
@@ -230,7 +208,7 @@ class KafkaTransport:
                     if self.config.metrics_port is not None:
                         self._export_lag()
                 if self.config.drain:
-                    self._check_drained()
+                    self._drain.check()
             except Exception:
                 log.exception("Kafka consumer loop failed; retrying in 1s")
                 self._stopping.wait(1.0)
@@ -238,7 +216,7 @@ class KafkaTransport:
 
     def _poll(self) -> None:
         timeout = POLL_TIMEOUT
-        if self._buffer.any_paused() or self._topic_consumed.is_set():
+        if self._buffer.any_paused() or self._drain.consumed.is_set():
             timeout = PAUSED_POLL_TIMEOUT  # a paused partition, or a worker about to close
         records, ends = [], []
         for record in self._consumer.consume(POLL_BATCH, timeout):
@@ -250,8 +228,7 @@ class KafkaTransport:
             else:
                 log.warning("Kafka: %s%s", error.str(), _hint(error))
         if records:
-            self._topic_consumed.clear()
-            self._asked_at_end, self._last_arrival = False, time.monotonic()
+            self._drain.arrived()
         if records or ends:
             self._buffer.add_many(records, ends)
         pause, resume = self._buffer.flow_changes()
@@ -278,55 +255,6 @@ class KafkaTransport:
             else:
                 log.warning("committing partition %d failed: %s", part.number, result.error)
 
-    def _check_drained(self) -> None:
-        """While idle: has the group consumed the whole topic? Asked every DRAIN_CHECK_INTERVAL,
-        and at once when every partition here has just been consumed to its end."""
-        if self._topic_consumed.is_set() or not self._buffer.idle():
-            return
-        now = time.monotonic()
-        if not self._buffer.assigned and now < self._no_assignment_until:
-            return
-        self._commit()  # what finished here counts once committed
-        if not self._buffer.settled():
-            return
-        at_end = self._buffer.drained()
-        if not at_end and now < self._last_arrival + DRAIN_END_WAIT:
-            return  # the ends of the partitions here are on their way
-        if now < self._next_drain_check and (self._asked_at_end or not at_end):
-            return
-        self._next_drain_check = now + DRAIN_CHECK_INTERVAL
-        self._asked_at_end = at_end
-        try:
-            consumed = self._group_at_end()
-        except KafkaException as exc:
-            log.debug("--drain: cannot tell yet whether the topic is consumed (%s)", exc)
-            return
-        if consumed:
-            self._topic_consumed.set()
-            self._buffer.wake_all()  # idle handler threads: the drain check at once
-
-    def _group_at_end(self) -> bool:
-        """Every partition of the topic has nothing at or after the group's committed offset:
-        known here when every one of them is assigned here and consumed to its end, else
-        found by the end probe."""
-        # Asked by the producer: the consumer's connection may be waiting for a fetch.
-        meta = self._producer.list_topics(self.topic, timeout=DRAIN_CHECK_TIMEOUT)
-        topic = meta.topics.get(self.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            return False  # a topic that does not exist yet is not drained
-        if self._buffer.at_end_of(set(topic.partitions)):
-            return True
-        wanted = [self._tp(number) for number in sorted(topic.partitions)]
-        starts = []
-        for tp in self._consumer.committed(wanted, timeout=DRAIN_CHECK_TIMEOUT):
-            if tp.error is not None:
-                return False
-            # No commit yet: where this group would start, by auto.offset.reset.
-            starts.append(
-                self._tp(tp.partition, tp.offset if tp.offset >= 0 else self._reset_offset)
-            )
-        return self._probe.nothing_from(starts, DRAIN_CHECK_TIMEOUT)
-
     def _export_lag(self) -> None:
         for number, base in self._buffer.lag_bases():
             # Cached: the high watermark of the last fetch response, no request to the broker.
@@ -339,7 +267,7 @@ class KafkaTransport:
         if numbers:
             log.info("assigned %s partitions %s", self.topic, numbers)
         self._buffer.assign(numbers)
-        self._last_arrival = time.monotonic()
+        self._drain.assigned()
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         parts = self._buffer.revoke([tp.partition for tp in partitions])
@@ -375,23 +303,7 @@ class KafkaTransport:
             self._consumer.close()  # runs _on_revoke for every partition, then leaves the group
         except Exception:
             log.exception("closing the Kafka consumer failed")
-        self._probe.close()
-
-    # setup
-
-    def _check_reachable(self) -> None:
-        try:
-            meta = self._consumer.list_topics(self.topic, timeout=self.config.connect_timeout)
-        except KafkaException as exc:
-            self._consumer.close()
-            raise TransportError(
-                f"cannot reach Kafka at {self.options.bootstrap_servers} within "
-                f"{self.config.connect_timeout:g}s ({_describe(exc)}): check "
-                "--bootstrap-servers / DEDUPWORKER_BOOTSTRAP_SERVERS and the -X security settings"
-            ) from exc
-        topic = meta.topics.get(self.topic)
-        if topic is None or topic.error is not None:
-            log.warning("topic %r does not exist (yet); waiting for it to be created", self.topic)
+        self._drain.close()
 
     def _tp(self, partition: int, offset: int | None = None) -> Any:
         if offset is None:
