@@ -16,6 +16,7 @@ import pytest
 from dedupworker.schema import MIGRATIONS
 from tests.conftest import clean_env, cli
 from tests.support.acceptance import assert_each_once, scalar, worker
+from tests.support.handlers import GATE_NAMESPACE
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -124,24 +125,30 @@ def test_a_handler_past_the_deadline_is_abandoned_and_its_job_returns(
 
 @pytest.mark.usefixtures("started_table")
 def test_locks_shows_the_lock_of_a_running_handler(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    bodies = json.dumps({"entity": 8675309, "work_ms": 3000}) + "\n"
-    bodies += json.dumps({"entity": "inv-17", "work_ms": 3000}) + "\n"
+    # Both handlers run until the test has listed their locks twice (a gate it holds): on a
+    # loaded machine, two CLI start-ups took longer than a handler of fixed length.
+    bodies = json.dumps({"entity": 8675309, "gate": 1}) + "\n"
+    bodies += json.dumps({"entity": "inv-17", "gate": 1}) + "\n"
     assert cli("enqueue", "--dsn", dsn, "--queue", "q", stdin=bodies).returncode == 0
-    proc = worker(
-        dsn,
-        "tests.support.handlers:StartedAndFinished",
-        "--concurrency",
-        "2",
-        "--shutdown-timeout",
-        "20",
-    )
-    try:
-        wait_until(conn, "SELECT count(*) = 2 FROM test_started")
-        result = cli("locks", "--dsn", dsn, "--json")
-        table = cli("locks", "--dsn", dsn)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        stopped(proc, limit=60)
+    with psycopg.connect(dsn, autocommit=True) as gate:
+        gate.execute("SELECT pg_advisory_lock(%s, 1)", (GATE_NAMESPACE,))
+        proc = worker(
+            dsn,
+            "tests.support.handlers:StartedAndFinished",
+            "--concurrency",
+            "2",
+            "--shutdown-timeout",
+            "20",
+        )
+        try:
+            wait_until(conn, "SELECT count(*) = 2 FROM test_started")
+            result = cli("locks", "--dsn", dsn, "--json")
+            table = cli("locks", "--dsn", dsn)
+        finally:
+            gate.execute("SELECT pg_advisory_unlock(%s, 1)", (GATE_NAMESPACE,))
+            proc.send_signal(signal.SIGTERM)
+            stopped(proc, limit=60)
+    assert proc.returncode == 0
     hashed = scalar(conn, "SELECT hashtext('inv-17')")
     held = {
         (row["namespace"], row["key"], row["state"])

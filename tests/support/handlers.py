@@ -12,6 +12,10 @@ import tenacity
 
 from dedupworker import Handler, Message, Singleton, WorkerConfig
 
+# A body's "gate": K makes StartedAndFinished wait, once started, for the lock (GATE_NAMESPACE, K)
+# that a test holds until it has looked at the running handler.
+GATE_NAMESPACE = 4242
+
 
 class StartedAndFinished(Handler):
     """Records its start outside the transaction and its end inside it.
@@ -33,7 +37,13 @@ class StartedAndFinished(Handler):
             "INSERT INTO test_started (message_id, pid) VALUES (%s, %s)",
             (message.id, os.getpid()),
         )
-        time.sleep(float(message.json().get("work_ms", 1)) / 1000)
+        gate = message.json().get("gate")
+        if gate is not None:  # runs until the test lets go of the gate's lock
+            # A connection of its own: the side connection is shared by the worker's threads.
+            with psycopg.connect(os.environ["DEDUPWORKER_DSN"], autocommit=True) as waiting:
+                waiting.execute("SELECT pg_advisory_lock_shared(%s, %s)", (GATE_NAMESPACE, gate))
+        else:
+            time.sleep(float(message.json().get("work_ms", 1)) / 1000)
         conn.execute(
             "INSERT INTO example_calls (entity, message_id, pid, started_at, ended_at)"
             " VALUES (%s, %s, %s, now(), clock_timestamp())",

@@ -5,6 +5,7 @@ suites of its own (TEST_SUITE_ONLY=1: no installs, no lint)."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -65,32 +66,32 @@ def test_both_phases_passing_end_with_status_0(tmp_path: Path) -> None:
 ON_PATH_SUITE = """\
 import os
 import shutil
-import sys
 
 
 def test_the_suites_python_comes_first_on_path():
     found = shutil.which("python")
-    assert found is not None and os.path.dirname(found) == os.path.dirname(sys.executable)
+    assert found is not None and os.path.dirname(found) == os.environ["EXPECTED_BIN"]
 """
 
 
 def test_the_console_scripts_of_a_virtualenv_not_activated_come_first(tmp_path: Path) -> None:
     # A virtualenv named by VIRTUAL_ENV, its bin directory not on PATH (not activated): the
     # suite must still run its console scripts (`dedupworker`), not whatever PATH has first.
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=120,
-    )
+    # Its python is this one behind a script, so that it has pytest wherever this one runs.
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     (tmp_path / "pytest.ini").write_text(MARKERS)
     (tmp_path / "test_tiny.py").write_text(ON_PATH_SUITE)
-    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if str(venv) not in p)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != str(bin_dir))
+    env = {"TEST_SUITE_ONLY": "1", "VIRTUAL_ENV": str(bin_dir.parent), "PATH": path}
     done = subprocess.run(
         [str(ROOT / "scripts" / "test"), "-p", "no:dedupworker", str(tmp_path / "test_tiny.py")],
         capture_output=True,
         text=True,
-        env={**os.environ, "TEST_SUITE_ONLY": "1", "VIRTUAL_ENV": str(venv), "PATH": path},
+        env={**os.environ, **env, "EXPECTED_BIN": str(bin_dir)},
         timeout=240,
         check=False,
     )
