@@ -361,37 +361,32 @@ def setups(args: argparse.Namespace) -> list[tuple[str, int]]:
     return rounds
 
 
-def ratios(levels: list[Level]) -> str:
-    """The session engine's msg/s over today's served level's, round by round (median, range)."""
-    served = [lv for lv in levels if lv.engine == "transaction" and lv.error is None]
-    session = [lv for lv in levels if lv.engine == "session" and lv.error is None]
-    pairs = [
-        (s.messages / s.seconds) / (t.messages / t.seconds)
-        for t, s in zip(served, session, strict=False)
-    ]
+def per_round(levels: list[Level], over: str, under: str, label: str, digits: int) -> str:
+    """The msg/s of engine `over` over that of engine `under`, round by round (median, range)."""
+
+    def rates(engine: str) -> list[float]:
+        done = [lv for lv in levels if lv.engine == engine and lv.error is None]
+        return [lv.messages / lv.seconds for lv in done]
+
+    pairs = [a / b for a, b in zip(rates(over), rates(under), strict=False)]
     if not pairs:
         return ""
+    shown = ", ".join(f"{p:.{digits}f}" for p in pairs)
     return (
-        f"\nsession / transaction msg/s, per round: {', '.join(f'{p:.1f}' for p in pairs)} "
-        f"(median {statistics.median(pairs):.1f}, range {min(pairs):.1f}-{max(pairs):.1f})"
+        f"\n{label}, per round: {shown} (median {statistics.median(pairs):.{digits}f}, "
+        f"range {min(pairs):.{digits}f}-{max(pairs):.{digits}f})"
     )
+
+
+def ratios(levels: list[Level]) -> str:
+    """The session engine's msg/s over today's served level's, round by round."""
+    return per_round(levels, "session", "transaction", "session / transaction msg/s", 1)
 
 
 def fresh_ratios(levels: list[Level]) -> str:
-    """The session engine's msg/s on a fresh queue over its msg/s after an ANALYZE, per round."""
-    fresh = [lv for lv in levels if lv.engine == "session" + FRESH and lv.error is None]
-    analyzed = [lv for lv in levels if lv.engine == "session" and lv.error is None]
-    pairs = [
-        (f.messages / f.seconds) / (a.messages / a.seconds)
-        for f, a in zip(fresh, analyzed, strict=False)
-    ]
-    if not pairs:
-        return ""
-    return (
-        f"\nsession engine, fresh queue / analyzed queue msg/s, per round: "
-        f"{', '.join(f'{p:.2f}' for p in pairs)} (median {statistics.median(pairs):.2f}, "
-        f"range {min(pairs):.2f}-{max(pairs):.2f})"
-    )
+    """The session engine's msg/s on a fresh queue over its msg/s after an ANALYZE."""
+    label = "session engine, fresh queue / analyzed queue msg/s"
+    return per_round(levels, "session" + FRESH, "session", label, 2)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ pooler or a proxy that a fault cuts.
 
 `BatchCheckedHandler` does it for the batch engine, one call record per message of a batch.
 
-`SessionCheckedHandler` (and `SessionCheckedThreadHandler`, its plain-function twin) does the
-same for the session-lock engine (`lock_scope = "session"`), whose calls hold no transaction:
-see its docstring for when it records a call's end, and `check_cut_offs` for the calls that
-their lock session's loss cut off.
+`SessionCheckedHandler` (and `SessionCheckedThreadHandler`, its plain-function twin), in
+`checking_sessions`, does the same for the session-lock engine (`lock_scope = "session"`), whose
+calls hold no transaction: see its docstring for when it records a call's end, and
+`check_cut_offs` for the calls that their lock session's loss cut off.
 """
 
 from __future__ import annotations
@@ -215,16 +215,3 @@ class BatchCheckedHandler(BatchHandler, CheckedHandler):
             self._record(
                 "UPDATE check_calls SET ended_at = %s WHERE id = ANY (%s)", (row[0], calls)
             )
-
-
-# The session-lock engine's handlers live in checking_sessions (which imports this module);
-# the fault tests' commands and imports name them here.
-_SESSION_NAMES = ("SessionCheckedHandler", "SessionCheckedThreadHandler", "create_session_tables")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SESSION_NAMES:
-        from . import checking_sessions
-
-        return getattr(checking_sessions, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

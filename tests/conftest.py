@@ -76,15 +76,20 @@ def clean_env() -> dict[str, str]:
 
 
 def cli(
-    *args: str, stdin: str | None = None, env: dict[str, str] | None = None, timeout: float = 120
+    *args: str,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real command line, from the repository root so that `examples.*` imports."""
+    """Run the real command line, from the repository root so that `examples.*` imports (or
+    from `cwd`, where a test wrote modules of its own)."""
     return subprocess.run(
         [sys.executable, "-m", "dedupworker", *args],
         input=stdin,
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd,
         env={**clean_env(), **(env or {})},
         timeout=timeout,
         check=False,

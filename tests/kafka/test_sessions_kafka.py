@@ -34,7 +34,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dedupworker.checking import Report, check, create_session_tables, overlapping_calls
+from dedupworker.checking import Report, check, overlapping_calls
+from dedupworker.checking_sessions import create_session_tables
 from dedupworker.transports.kafka.dead_letter import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import scalar

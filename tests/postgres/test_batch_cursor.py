@@ -1,7 +1,7 @@
 """The batch claim's cursor against the real PostgreSQL: a thread's claims start where its last
 full claim ended along the ready index, and jobs left behind it (given back, moved earlier,
 committed late) are claimed by a claim from the head: the next one after a short claim, and one
-every CURSOR_SECONDS at least (transports/postgres/batches.py)."""
+every CURSOR_SECONDS at least (transports/postgres/cursor.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dedupworker import BatchHandler, Message, enqueue
 from dedupworker.config import WorkerConfig
 from dedupworker.db import open_pool
 from dedupworker.outcomes import SUCCEEDED
-from dedupworker.transports.postgres import batches
+from dedupworker.transports.postgres import batches, cursor
 from dedupworker.transports.postgres.queue import PostgresTransport
 from tests.support.checked_calls import scalar
 
@@ -76,7 +76,7 @@ def move_behind(conn: psycopg.Connection[Any], job_id: int) -> None:
 def test_claims_go_on_from_the_cursor_and_a_job_behind_it_waits_for_a_short_claim(
     source: batches.ClaimedBatches, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batches, "CURSOR_SECONDS", 3600.0)  # no claim from the head by time
+    monkeypatch.setattr(cursor, "CURSOR_SECONDS", 3600.0)  # no claim from the head by time
     ids = fill(conn, 45)
     assert claim(source) == list(range(10))
     move_behind(conn, ids[40])
@@ -92,7 +92,7 @@ def test_claims_go_on_from_the_cursor_and_a_job_behind_it_waits_for_a_short_clai
 def test_a_claim_starts_from_the_head_once_the_cursor_is_older_than_cursor_seconds(
     source: batches.ClaimedBatches, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batches, "CURSOR_SECONDS", 0.0)  # every claim from the head
+    monkeypatch.setattr(cursor, "CURSOR_SECONDS", 0.0)  # every claim from the head
     ids = fill(conn, 45)
     assert claim(source) == list(range(10))
     move_behind(conn, ids[40])
@@ -102,7 +102,7 @@ def test_a_claim_starts_from_the_head_once_the_cursor_is_older_than_cursor_secon
 def test_every_job_is_claimed_once_whatever_moves_behind_the_cursor(
     source: batches.ClaimedBatches, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batches, "CURSOR_SECONDS", 3600.0)
+    monkeypatch.setattr(cursor, "CURSOR_SECONDS", 3600.0)
     ids = fill(conn, 200)
     seen: list[int] = []
     for step in range(40):

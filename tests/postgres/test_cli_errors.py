@@ -90,16 +90,8 @@ def test_an_import_error_in_the_users_module_shows_where_in_it(
         if command == "run"
         else ("enqueue", "--entity-of", "broken_handlers:Handler")
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "dedupworker", *given, "--dsn", dsn],
-        input="{}\n",
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
-        timeout=60,
-        check=False,
-    )
+    env = {"PYTHONPATH": str(ROOT)}
+    done = cli(*given, "--dsn", dsn, stdin="{}\n", env=env, timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "importing 'broken_handlers' raised RuntimeError: config missing" in done.stderr
     assert f'File "{tmp_path / "broken_handlers.py"}", line 5, in <module>' in done.stderr

@@ -4,8 +4,6 @@ orders and confirmations it shares with the console."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import pytest
 from dedupworker import admin
 from dedupworker.schema import INTERNAL_NAMESPACE
 from dedupworker.sql import JOB_NAMESPACE
-from tests.conftest import ROOT, clean_env, cli
+from tests.conftest import ROOT, cli
 
 pytestmark = [pytest.mark.postgres]
 
@@ -36,16 +34,8 @@ class Reserved(Handler):
 
 def run_in(directory: Path, *args: str, stdin: str | None = None) -> Any:
     """The command line, run from `directory` so that its modules import."""
-    return subprocess.run(
-        [sys.executable, "-m", "dedupworker", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        cwd=directory,
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
-        timeout=60,
-        check=False,
-    )
+    env = {"PYTHONPATH": str(ROOT)}
+    return cli(*args, stdin=stdin, env=env, timeout=60, cwd=directory)
 
 
 def audit(conn: psycopg.Connection[Any]) -> list[str]:

@@ -2,14 +2,14 @@
 judged by the independent checker.
 
 As in tests/postgres/test_faults.py, whose helpers these reuse: real worker processes (here
-`dedupworker.checking:SessionCheckedHandler`, an `async def handle`, or its plain-function twin
-run on threads; 50 calls in flight each, on 2 lock sessions) drain messages over a few hot
-entities plus one poison message while one kind of fault is injected. Each test asserts zero
-overlapping calls per entity (a cut-off call counts until its cancellation), zero lost
+`dedupworker.checking_sessions:SessionCheckedHandler`, an `async def handle`, or its plain-
+function twin run on threads; 50 calls in flight each, on 2 lock sessions) drain messages over a
+few hot entities plus one poison message while one kind of fault is injected. Each test asserts
+zero overlapping calls per entity (a cut-off call counts until its cancellation), zero lost
 messages, zero effects applied twice (the handler has a dedup key: the ledger must hold), no
-unexpected dead letters, and that the fault cut calls off. It prints how long a cut-off call
-ran on after the fault: as the workers log it (from their session's last sign of life) and as
-the checker sees it (its recorded end minus the fault's time).
+unexpected dead letters, and that the fault cut calls off. It prints how long a cut-off call ran
+on after the fault: as the workers log it (from their session's last sign of life) and as the
+checker sees it (its recorded end minus the fault's time).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue, sql
-from dedupworker.checking import create_session_tables, overlapping_calls
+from dedupworker.checking import overlapping_calls
+from dedupworker.checking_sessions import create_session_tables
 from dedupworker.keys import session_key
 from dedupworker.sessions import SessionLost
 from dedupworker.sessions.lock_session import Lock, LockSession, Settlement
@@ -53,8 +54,8 @@ KILLS = 10
 DRAIN_LIMIT = 120  # seconds for all the workers to drain: about ten times what they need
 KILL_EVERY = 0.3  # seconds
 HANDLERS = {
-    "async": "dedupworker.checking:SessionCheckedHandler",
-    "threads": "dedupworker.checking:SessionCheckedThreadHandler",
+    "async": "dedupworker.checking_sessions:SessionCheckedHandler",
+    "threads": "dedupworker.checking_sessions:SessionCheckedThreadHandler",
 }
 OPTIONS = ("--concurrency", "50", "--lock-sessions", "2")
 # The engine's WARNING for each call its lock session's loss cut off.

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking import create_session_tables
+from dedupworker.checking_sessions import create_session_tables
 from tests.sqs.test_sessions_sqs import Workers, send
 from tests.support.db_faults import DatabaseFaults
 from tests.support.proxy import Proxy
@@ -25,8 +25,8 @@ from tests.support.worker_processes import injecting
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 HANDLERS = {
-    "async": "dedupworker.checking:SessionCheckedHandler",
-    "threads": "dedupworker.checking:SessionCheckedThreadHandler",
+    "async": "dedupworker.checking_sessions:SessionCheckedHandler",
+    "threads": "dedupworker.checking_sessions:SessionCheckedThreadHandler",
 }
 ENTITIES = 6
 

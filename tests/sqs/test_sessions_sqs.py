@@ -22,7 +22,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking import Report, check, create_session_tables, overlapping_calls
+from dedupworker.checking import Report, check, overlapping_calls
+from dedupworker.checking_sessions import create_session_tables
 from dedupworker.transports.sqs.attributes import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import scalar

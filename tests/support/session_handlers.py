@@ -35,7 +35,7 @@ import psycopg
 import tenacity
 
 from dedupworker import Handler, Message, Outcome, Reject, RetryLater
-from dedupworker.checking import SessionCheckedHandler, SessionCheckedThreadHandler
+from dedupworker.checking_sessions import SessionCheckedHandler, SessionCheckedThreadHandler
 from dedupworker.sessions import AsyncCallConnection, CallConnection
 
 TABLES = """

@@ -31,6 +31,7 @@ from ...handler import BatchHandler, Handler
 from ...outcomes import carry_out_many
 from ...transport import Delivery
 from ...wire import Batch, Result
+from .cursor import Cursor
 
 if TYPE_CHECKING:
     from .queue import PostgresTransport
@@ -48,14 +49,6 @@ SHARE_WORKERS = 4
 # Batches a thread claims ahead on one connection before it gives the connection back to the
 # pool once (so that the pool's checks and max_lifetime still apply to it).
 AHEAD_CHAIN = 1000
-# A claim starts its scan where the thread's last full claim ended (a cursor over run_at), not at
-# the head of the ready index: the head holds the index entries of every job deleted since the
-# table's last vacuum, which a scan from the head walks through (measured over a 200,000-job
-# drain by one thread: 1.6 ms of server time per 100-job claim, 0.6 ms from the cursor). Jobs
-# left behind the cursor (given back by a rollback, passed over while their entity was held,
-# committed late by their producer) are claimed by the next claim from the head: one every
-# CURSOR_SECONDS at least, and every claim after one that came back short.
-CURSOR_SECONDS = 1.0
 
 
 class _Ahead(NamedTuple):
@@ -67,7 +60,7 @@ class _Ahead(NamedTuple):
     chain: int  # claims made ahead on this connection in a row
 
 
-class _Thread(threading.local):
+class _Thread(Cursor, threading.local):
     """What one thread's batch leaves for the same thread's next claim."""
 
     ahead: _Ahead | None = None
@@ -75,11 +68,6 @@ class _Thread(threading.local):
     # Claims open the handler's savepoint while batches need no lock of their own (every
     # entity given at enqueue, locked by the claim): the handler can run at once.
     savepoint_ahead = False
-    # Where this thread's next claim starts along the ready index (the epoch of the newest run_at
-    # its last full claim took, as PostgreSQL wrote it; None: from the head), and when its
-    # claims last started from the head.
-    cursor: str | None = None
-    from_head_at = 0.0
 
 
 class ClaimedBatches:
@@ -160,15 +148,6 @@ class ClaimedBatches:
         """Move this thread's cursor past a full claim; back to the head after a short one."""
         self._thread.cursor = claimed[-1][-1] if len(claimed) >= size else None
 
-    def _cursor(self) -> str | None:
-        """Where the next claim starts: None (the head) once a second."""
-        thread = self._thread
-        if thread.cursor is not None and time.monotonic() - thread.from_head_at >= CURSOR_SECONDS:
-            thread.cursor = None
-        if thread.cursor is None:
-            thread.from_head_at = time.monotonic()
-        return thread.cursor
-
     def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
         """The claim locked the entity given at enqueue: ours if it is the handler's."""
         given = delivery.receipt.entity
@@ -182,7 +161,7 @@ class ClaimedBatches:
             self._thread.cursor = None
             params = (queue, window, ways, *namespaces, queue, None, size)
             return start.execute(self._shared, params)
-        return start.execute(self._claim_sql, (queue, self._cursor(), *namespaces, size))
+        return start.execute(self._claim_sql, (queue, self._thread.claim_from(), *namespaces, size))
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None

@@ -33,6 +33,7 @@ from ...keys import LockKey
 from ...outcomes import Outcome, Verdict, carry_out
 from ...transport import Delivery
 from ...wire import Batch, Executor, Rows
+from .cursor import Cursor
 
 if TYPE_CHECKING:
     from .queue import PostgresTransport
@@ -48,14 +49,6 @@ AHEAD_CHAIN = 1000
 # Seconds for which a thread's claims pass over jobs of locked entities, after one of its
 # messages met its entity locked or running.
 CROWDED_FOR = 5.0
-# A claim starts its scan where the thread's last claim was (a cursor over run_at), not at the
-# head of the ready index: the head holds the index entries of every job deleted since the
-# table's last vacuum, which a scan from the head walks through (a 20,000-job drain at four
-# threads: 58 buffers and 59 µs of server time per claim from the head). Jobs left behind the
-# cursor (given back by a rollback, passed over while another thread held their row, committed
-# late by their producer) are claimed by the next claim from the head: one every
-# CURSOR_SECONDS at least, and one right after a claim from the cursor that found nothing.
-CURSOR_SECONDS = 1.0
 
 
 class _Claim(NamedTuple):
@@ -74,7 +67,7 @@ class _Ahead(NamedTuple):
     chain: int  # claims made ahead on this connection in a row
 
 
-class _Thread(threading.local):
+class _Thread(Cursor, threading.local):
     """What one thread's message leaves for the same thread's next claim."""
 
     ahead: _Ahead | None = None
@@ -84,11 +77,6 @@ class _Thread(threading.local):
     # which opens the savepoint after the lock, and one opened in the claim would only be
     # released there.
     savepoint_ahead = True
-    # Where this thread's next claim starts along the ready index (the epoch of the run_at it
-    # claimed last, as PostgreSQL wrote it; None: the head), and when its claims last started
-    # from the head.
-    cursor: str | None = None
-    from_head_at = 0.0
 
 
 class Claimed(Call):
@@ -231,15 +219,6 @@ class ClaimedTransactions:
         self._thread.cursor = None if row is None else row[-1]
         return None if row is None else self.queue.delivery(row)
 
-    def _cursor(self) -> str | None:
-        """Where the next claim starts: None (the head) once a CURSOR_SECONDS."""
-        thread = self._thread
-        if thread.cursor is not None and time.monotonic() - thread.from_head_at >= CURSOR_SECONDS:
-            thread.cursor = None
-        if thread.cursor is None:
-            thread.from_head_at = time.monotonic()
-        return thread.cursor
-
     def _claim(self, batch: Batch, whole: bool = False) -> _Claim:
         """Queue the claim (with the lock of an entity given at enqueue), the handler's timeout
         and, while messages come with their entity given, its savepoint: the whole start of a
@@ -250,7 +229,7 @@ class ClaimedTransactions:
         the oldest job from the head, passing nothing over."""
         thread = self._thread
         skipping = not whole and time.monotonic() < thread.crowded_until
-        cursor = None if whole or skipping else self._cursor()
+        cursor = None if whole or skipping else self._thread.claim_from()
         rows = self.queue.claim(batch, self._lock, skipping, cursor)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
