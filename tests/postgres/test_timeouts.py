@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from typing import Any
 
 import psycopg
@@ -31,24 +32,38 @@ def tables(conn: psycopg.Connection[Any]) -> None:
     )
 
 
-def drain(dsn: str, processes: int) -> list[tuple[int, str]]:
-    """Run `processes` draining workers side by side; their exit codes and logs."""
+def start(dsn: str) -> subprocess.Popen[str]:
+    """Start one draining worker (one handler thread) on queue `t`."""
     command = [
         sys.executable, "-m", "dedupworker", "--log-level", "WARNING", "run",
         "tests.support.handlers:HangsOnce", "--queue", "t", "--drain", "--concurrency", "1",
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env={**clean_env(), "DEDUPWORKER_DSN": dsn},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(processes)
-    ]
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**clean_env(), "DEDUPWORKER_DSN": dsn},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    """Wait for the draining workers; their exit codes and logs."""
     logs = [proc.communicate(timeout=120)[1] for proc in procs]
     return [(proc.returncode, log) for proc, log in zip(procs, logs, strict=True)]
+
+
+def drain(dsn: str) -> list[tuple[int, str]]:
+    """Run one draining worker to the end."""
+    return finish([start(dsn)])
+
+
+def wait_for_hang(conn: psycopg.Connection[Any], deadline: float = 60.0) -> None:
+    """Until a call has marked its message in `test_hung` (it holds its entity and hangs)."""
+    until = time.monotonic() + deadline
+    while conn.execute("SELECT count(*) FROM test_hung").fetchone() == (0,):
+        assert time.monotonic() < until, "no call began within the deadline"
+        time.sleep(0.05)
 
 
 @pytest.mark.usefixtures("tables")
@@ -56,7 +71,7 @@ def test_a_statement_past_the_timeout_is_cancelled_and_retried(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     enqueue(conn, "t", [{"entity": 1, "hang": "sql"}])
-    ((code, logs),) = drain(dsn, 1)
+    ((code, logs),) = drain(dsn)
     assert code == 0, logs
     calls = conn.execute("SELECT outcome FROM test_calls ORDER BY started").fetchall()
     assert calls == [("QueryCanceled",), ("finished",)]
@@ -68,8 +83,13 @@ def test_a_statement_past_the_timeout_is_cancelled_and_retried(
 def test_a_handler_stuck_in_python_loses_its_lock_and_its_message_comes_back(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
-    enqueue(conn, "t", [{"entity": 7, "hang": "python"}, {"entity": 7, "hang": "no"}])
-    ran = drain(dsn, 2)
+    # The stuck call must hold the entity first: a second worker started together with the
+    # first could take the entity with the other message, and then nothing would be stuck.
+    enqueue(conn, "t", [{"entity": 7, "hang": "python"}])
+    stuck_worker = start(dsn)
+    wait_for_hang(conn)
+    enqueue(conn, "t", [{"entity": 7, "hang": "no"}])
+    ran = finish([stuck_worker, start(dsn)])
     assert [code for code, _ in ran] == [0, 0], ran
     done = conn.execute("SELECT message_id FROM test_done").fetchall()
     assert len(done) == 2 and len(set(done)) == 2  # both applied, once each
