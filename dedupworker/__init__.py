@@ -1,8 +1,8 @@
 """dedupworker: queue and webhook workers that never process the same entity twice at once."""
 
-from ._version import __version__
-from .config import WorkerConfig
-from .errors import (
+from dedupworker._version import __version__
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import (
     ConfigurationError,
     DatabaseUnavailable,
     DedupWorkerError,
@@ -12,15 +12,15 @@ from .errors import (
     SchemaMissing,
     TransportError,
 )
-from .handler import BatchHandler, Handler, load_handler
-from .keys import LockKey, lock_key
-from .message import Message
-from .outcomes import Outcome
-from .producer import enqueue
-from .schema import migrate
-from .sessions import AsyncCallConnection, CallConnection, SessionLost
-from .singleton import Singleton
-from .worker import Worker
+from dedupworker.handler import BatchHandler, Handler, load_handler
+from dedupworker.keys import LockKey, lock_key
+from dedupworker.message import Message
+from dedupworker.outcomes import Outcome
+from dedupworker.producer import enqueue
+from dedupworker.schema import migrate
+from dedupworker.sessions import AsyncCallConnection, CallConnection, SessionLost
+from dedupworker.singleton import Singleton
+from dedupworker.worker import Worker
 
 __all__ = [
     "AsyncCallConnection",

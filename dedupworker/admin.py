@@ -27,7 +27,7 @@ admin_sql's.
 
 from __future__ import annotations
 
-from .admin_common import (
+from dedupworker.admin_common import (
     ACTOR_CLI,
     LIVE_SECONDS,
     SEARCH_LIMIT,
@@ -35,7 +35,7 @@ from .admin_common import (
     actor_cli,
     audit_log,
 )
-from .admin_dead import (
+from dedupworker.admin_dead import (
     BODY_LIMIT,
     BODY_PREVIEW,
     DEAD_LIMIT,
@@ -48,8 +48,15 @@ from .admin_dead import (
     list_dead,
     search_dead,
 )
-from .admin_dead_actions import AUDIT_IDS, Acted, Requeued, Selection, discard_dead, requeue_dead
-from .admin_queues import (
+from dedupworker.admin_dead_actions import (
+    AUDIT_IDS,
+    Acted,
+    Requeued,
+    Selection,
+    discard_dead,
+    requeue_dead,
+)
+from dedupworker.admin_queues import (
     THROUGHPUT_MINUTES,
     Pause,
     QueueStats,
@@ -59,7 +66,7 @@ from .admin_queues import (
     queue_stats,
     resume_queue,
 )
-from .admin_webhooks import (
+from dedupworker.admin_webhooks import (
     AttemptRow,
     EndpointRow,
     enable_webhook_endpoint,
@@ -67,7 +74,7 @@ from .admin_webhooks import (
     webhook_attempts,
     webhook_endpoints,
 )
-from .admin_workers import HotEntity, WorkerRow, hot_entities, workers
+from dedupworker.admin_workers import HotEntity, WorkerRow, hot_entities, workers
 
 __all__ = [
     "ACTOR_CLI",

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import admin_sql
-from .errors import ConfigurationError, SchemaMissing
+from dedupworker import admin_sql
+from dedupworker.errors import ConfigurationError, SchemaMissing
 
 SEARCH_LIMIT = 500  # dead jobs (and audit rows, attempts, endpoints) one call returns at most
 LIVE_SECONDS = 30.0  # a worker whose heartbeat is older is not live

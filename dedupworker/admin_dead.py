@@ -14,9 +14,9 @@ from typing import Any
 
 import psycopg
 
-from . import admin_sql
-from .admin_common import _capped, _schema_needed
-from .schema import check_schema
+from dedupworker import admin_sql
+from dedupworker.admin_common import _capped, _schema_needed
+from dedupworker.schema import check_schema
 
 DEAD_LIMIT = 50  # dead jobs listed unless told otherwise
 BODY_PREVIEW = 200  # characters of a dead job's body that are listed

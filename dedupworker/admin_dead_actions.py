@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 import psycopg
 
-from . import admin_sql, sql
-from .admin_common import ACTOR_CLI, _audit, _schema_needed
-from .admin_dead import DeadSearch, _where
-from .errors import ConfigurationError
-from .schema import check_schema
+from dedupworker import admin_sql, sql
+from dedupworker.admin_common import ACTOR_CLI, _audit, _schema_needed
+from dedupworker.admin_dead import DeadSearch, _where
+from dedupworker.errors import ConfigurationError
+from dedupworker.schema import check_schema
 
 AUDIT_IDS = 100  # job ids an audit row lists (its count says how many there were)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 
-from . import admin_sql, sql
-from .admin_common import LIVE_SECONDS, _audit, _check_queue_name, _schema_needed
+from dedupworker import admin_sql, sql
+from dedupworker.admin_common import LIVE_SECONDS, _audit, _check_queue_name, _schema_needed
 
 THROUGHPUT_MINUTES = 10  # QueueStats.per_minute covers this many minutes, this one last
 

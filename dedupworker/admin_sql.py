@@ -4,7 +4,7 @@ entities and webhook endpoints."""
 
 from __future__ import annotations
 
-from .sql import JOB_NAMESPACE
+from dedupworker.sql import JOB_NAMESPACE
 
 # `dedupworker locks`: advisory locks with their holder's session, the lock's mode, whether the
 # holder is in a transaction, and for a job claim (JOB_NAMESPACE, the id's low 32 bits) the jobs

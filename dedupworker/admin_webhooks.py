@@ -12,8 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
-from . import admin_sql
-from .admin_common import SEARCH_LIMIT, _audit, _capped
+from dedupworker import admin_sql
+from dedupworker.admin_common import SEARCH_LIMIT, _audit, _capped
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _attempt(row: tuple[Any, ...]) -> AttemptRow:
 
 def enable_webhook_endpoint(conn: psycopg.Connection[Any], endpoint_id: str, actor: str) -> bool:
     """Deliver to a disabled endpoint again (audited); False when there is no such endpoint."""
-    from .webhooks.endpoints import enable_endpoint
+    from dedupworker.webhooks.endpoints import enable_endpoint
 
     if not _has_webhooks(conn):
         return False

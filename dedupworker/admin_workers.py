@@ -8,8 +8,8 @@ from typing import Any
 
 import psycopg
 
-from . import admin_sql
-from .admin_common import LIVE_SECONDS, _capped, _schema_needed
+from dedupworker import admin_sql
+from dedupworker.admin_common import LIVE_SECONDS, _capped, _schema_needed
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ConfigurationError
+from dedupworker.errors import ConfigurationError
 
 
 def pin_process(cpu: int) -> None:

@@ -29,8 +29,8 @@ from typing import Any
 
 import psycopg
 
-from .handler import BatchHandler, Handler
-from .message import Message
+from dedupworker.handler import BatchHandler, Handler
+from dedupworker.message import Message
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS check_calls (

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 
-from .checking import _now, create_tables
-from .handler import Handler
-from .message import Message
-from .sessions import AsyncCallConnection, CallConnection, SessionLost
+from dedupworker.checking import _now, create_tables
+from dedupworker.handler import Handler
+from dedupworker.message import Message
+from dedupworker.sessions import AsyncCallConnection, CallConnection, SessionLost
 
 # Calls of SessionCheckedHandler that their lock session's loss cut off: when each ended (the
 # worker's clock at its cancellation), so that a fault test can tell how long a call ran on

@@ -12,8 +12,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._version import __version__
-from .cli_common import (
+from dedupworker._version import __version__
+from dedupworker.cli_common import (
     DEFAULTS,
     HELP,
     LOG_FORMATS,
@@ -24,11 +24,11 @@ from .cli_common import (
     connect,
     env_name,
 )
-from .cli_dead import add_dead
-from .cli_queues import add_queue_commands
-from .config import WorkerConfig
-from .errors import ConfigurationError, DedupWorkerError
-from .transports import TRANSPORTS, Setting, options_class, settings_of, value_kind
+from dedupworker.cli_dead import add_dead
+from dedupworker.cli_queues import add_queue_commands
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import ConfigurationError, DedupWorkerError
+from dedupworker.transports import TRANSPORTS, Setting, options_class, settings_of, value_kind
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_locks(sub)
     add_dead(sub)
     _add_demo(sub)
-    from .console.cli import add_console  # imports no web framework: the core needs none
+    from dedupworker.console.cli import add_console  # imports no web framework: the core needs none
 
     add_console(sub)
     return parser
@@ -254,9 +254,9 @@ def _merge_pairs(env: str, from_flags: list[list[tuple[str, str]]] | None) -> di
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .handler import Handler, load_class, validate_handler
-    from .singleton import Singleton
-    from .worker import Worker
+    from dedupworker.handler import Handler, load_class, validate_handler
+    from dedupworker.singleton import Singleton
+    from dedupworker.worker import Worker
 
     config = _config(args)
     loaded = [load_class(path, (Handler, Singleton)) for path in args.handlers]
@@ -268,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from .schema import migrate
+    from dedupworker.schema import migrate
 
     with connect(args) as conn:
         done = migrate(conn)
@@ -277,7 +277,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
-    from .locks import advisory_locks, format_table
+    from dedupworker.locks import advisory_locks, format_table
 
     with connect(args) as conn:
         rows = advisory_locks(conn, args.namespace)
@@ -290,13 +290,13 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from dedupworker.demo import run_demo
 
     return run_demo(args.dsn, args.workers, args.concurrency, args.deliveries)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .logs import setup_logging
+    from dedupworker.logs import setup_logging
 
     parser = build_parser()
     args = parser.parse_args(argv)

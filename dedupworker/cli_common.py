@@ -8,8 +8,8 @@ import dataclasses
 import os
 from typing import Any
 
-from .config import WorkerConfig
-from .errors import ConfigurationError
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import ConfigurationError
 
 TRUE = {"1", "true", "yes", "on"}
 LOG_FORMATS = ("text", "json")
@@ -65,7 +65,7 @@ def command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
 
 def connect(args: argparse.Namespace) -> Any:
     """The connection of a command that reads or acts (--dsn, --connect-timeout)."""
-    from .db import connect as connect_to
+    from dedupworker.db import connect as connect_to
 
     if not args.dsn:
         raise ConfigurationError("no database given: pass --dsn or set DEDUPWORKER_DSN")

@@ -10,9 +10,9 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from . import admin
-from .cli_common import add_connect_options, add_option, command, connect
-from .errors import ConfigurationError
+from dedupworker import admin
+from dedupworker.cli_common import add_connect_options, add_option, command, connect
+from dedupworker.errors import ConfigurationError
 
 SEARCH_FLAGS = ("entity", "reason", "since", "until")
 

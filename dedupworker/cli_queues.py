@@ -10,9 +10,9 @@ import math
 import sys
 from typing import Any
 
-from . import admin
-from .cli_common import DEFAULTS, add_connect_options, add_option, command, connect
-from .errors import ConfigurationError
+from dedupworker import admin
+from dedupworker.cli_common import DEFAULTS, add_connect_options, add_option, command, connect
+from dedupworker.errors import ConfigurationError
 
 
 def add_queue_commands(sub: Any) -> None:
@@ -75,8 +75,8 @@ def _add_queues(sub: Any) -> None:
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:
-    from .handler import load_handler
-    from .lines import enqueue_lines, read_json_lines
+    from dedupworker.handler import load_handler
+    from dedupworker.lines import enqueue_lines, read_json_lines
 
     if not (math.isfinite(args.delay) and args.delay >= 0):
         raise ConfigurationError(f"--delay {args.delay:g}: give 0 or more seconds")
@@ -98,7 +98,7 @@ def _queue_of(args: argparse.Namespace, verb: str) -> str:
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    from .reporting import PAUSE_INTERVAL
+    from dedupworker.reporting import PAUSE_INTERVAL
 
     queue = _queue_of(args, "pause")
     with connect(args) as conn:

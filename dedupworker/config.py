@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import ConfigurationError
-from .transports import TransportOptions, options_class
+from dedupworker.errors import ConfigurationError
+from dedupworker.transports import TransportOptions, options_class
 
 Options = TypeVar("Options", bound=TransportOptions)
 

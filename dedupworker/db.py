@@ -13,10 +13,10 @@ import tenacity
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import wire
-from .errors import DatabaseUnavailable
-from .outage import connect_outage
-from .wire import Rows
+from dedupworker import wire
+from dedupworker.errors import DatabaseUnavailable
+from dedupworker.outage import connect_outage
+from dedupworker.wire import Rows
 
 log = logging.getLogger("dedupworker")
 

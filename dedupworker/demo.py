@@ -21,11 +21,11 @@ from typing import Any
 import psycopg
 import tenacity
 
-from .db import describe_dsn
-from .demo_next import print_next_steps
-from .errors import ConfigurationError
-from .handler import Handler
-from .message import Message
+from dedupworker.db import describe_dsn
+from dedupworker.demo_next import print_next_steps
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import Handler
+from dedupworker.message import Message
 
 QUEUE = "demo"
 SCHEMA = "dedupworker_demo"
@@ -159,9 +159,9 @@ def _delivery(n: int, endpoint: str, rng: random.Random) -> bytes:
 
 def prepare(dsn: str, plan: Plan) -> None:
     """Migrate, (re)create the demo tables, forget earlier demo jobs, enqueue the plan."""
-    from .db import connect
-    from .producer import enqueue
-    from .schema import migrate
+    from dedupworker.db import connect
+    from dedupworker.producer import enqueue
+    from dedupworker.schema import migrate
 
     with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
         migrate(conn)
@@ -172,7 +172,7 @@ def prepare(dsn: str, plan: Plan) -> None:
 
 def run_demo(dsn: str | None, workers: int, concurrency: int, deliveries: int) -> int:
     """Run the demo on `dsn`, or on a private PostgreSQL when None; returns the exit code."""
-    from .embedded import private_postgres
+    from dedupworker.embedded import private_postgres
 
     for name, value in (("workers", workers), ("concurrency", concurrency)):
         if value < 1:
@@ -193,7 +193,7 @@ def run_demo(dsn: str | None, workers: int, concurrency: int, deliveries: int) -
 
 def _run(dsn: str, workers: int, concurrency: int, deliveries: int, *, private: bool) -> int:
     # demo_run imports this module's names: it is imported once they are defined.
-    from .demo_run import (
+    from dedupworker.demo_run import (
         Progress,
         collect,
         print_checks,

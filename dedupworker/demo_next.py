@@ -9,12 +9,12 @@ import shlex
 
 import psycopg
 
-from .db import describe_dsn
+from dedupworker.db import describe_dsn
 
 
 def print_next_steps(dsn: str | None) -> None:
     """Commands to try on the demo's database; `dsn` is None for the private one, gone by now."""
-    from .demo import QUEUE, DemoWebhook
+    from dedupworker.demo import QUEUE, DemoWebhook
 
     handler = f"{DemoWebhook.__module__}:{DemoWebhook.__name__}"
     print(f"""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from .demo import FLAKY, QUEUE, SCHEMA, TIMEOUT_SECONDS, DemoWebhook, Plan, _scalar
+from dedupworker.demo import FLAKY, QUEUE, SCHEMA, TIMEOUT_SECONDS, DemoWebhook, Plan, _scalar
 
 PROGRESS_INTERVAL = 0.3
 _HANDLER = f"{DemoWebhook.__module__}:{DemoWebhook.__name__}"  # dedupworker.demo:DemoWebhook
@@ -101,7 +101,7 @@ class Progress:
 
 def watch(dsn: str, workers: list[WorkerProcess], progress: Progress) -> bool:
     """Show progress until every worker exited; False (workers killed) after the timeout."""
-    from .db import connect
+    from dedupworker.db import connect
 
     deadline = time.monotonic() + TIMEOUT_SECONDS
     with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
@@ -144,7 +144,7 @@ class Results:
 
 
 def collect(dsn: str) -> Results:
-    from .db import connect
+    from dedupworker.db import connect
 
     with connect(dsn, 30.0, autocommit=True, application_name="dedupworker-demo") as conn:
         dead = [(int(i), str(e), bytes(b)) for i, e, b in conn.execute(_DEAD).fetchall()]

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import DedupWorkerError
+from dedupworker.errors import DedupWorkerError
 
 
 class EmbeddedPostgresError(DedupWorkerError):

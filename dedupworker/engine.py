@@ -34,11 +34,11 @@ if TYPE_CHECKING:
 
     import psycopg
 
-    from .handler import Handler
-    from .hot import HotEntities
-    from .keys import LockKey
-    from .outcomes import Verdict
-    from .transport import Delivery, Transport
+    from dedupworker.handler import Handler
+    from dedupworker.hot import HotEntities
+    from dedupworker.keys import LockKey
+    from dedupworker.outcomes import Verdict
+    from dedupworker.transport import Delivery, Transport
 
 
 class Call:

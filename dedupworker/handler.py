@@ -13,12 +13,12 @@ import psycopg
 import tenacity
 from tenacity.wait import wait_base
 
-from .errors import ConfigurationError, HandlerNotFound
-from .keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
-from .message import Message
-from .outcomes import Outcome
-from .schema import INTERNAL_NAMESPACE
-from .sql import JOB_NAMESPACE
+from dedupworker.errors import ConfigurationError, HandlerNotFound
+from dedupworker.keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
+from dedupworker.message import Message
+from dedupworker.outcomes import Outcome
+from dedupworker.schema import INTERNAL_NAMESPACE
+from dedupworker.sql import JOB_NAMESPACE
 
 
 class Handler:

@@ -23,10 +23,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from .engine import Serves
+from dedupworker.engine import Serves
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from dedupworker.engine import Engine
 
 log = logging.getLogger("dedupworker")
 

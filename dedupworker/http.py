@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import ConfigurationError
+from dedupworker.errors import ConfigurationError
 
 
 def serve(

@@ -12,15 +12,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .keys import normalize_entity
-from .message import Message
-from .producer import enqueue
-from .schema import check_schema
+from dedupworker.keys import normalize_entity
+from dedupworker.message import Message
+from dedupworker.producer import enqueue
+from dedupworker.schema import check_schema
 
 if TYPE_CHECKING:
     import psycopg
 
-    from .handler import Handler
+    from dedupworker.handler import Handler
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Any
 
 import psycopg
 
-from . import admin_sql, sql
-from .errors import SchemaMissing
-from .keys import decode_pg_locks_key
-from .schema import INTERNAL_NAMESPACE
+from dedupworker import admin_sql, sql
+from dedupworker.errors import SchemaMissing
+from dedupworker.keys import decode_pg_locks_key
+from dedupworker.schema import INTERNAL_NAMESPACE
 
 LOCK_SESSION_PREFIX = "dedupworker-locks-"
 # Holders whose locks are session locks (`Singleton.transactional = False`) or transaction

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .outage import tame_pool_log
+from dedupworker.outage import tame_pool_log
 
 _FIELDS = ("handler", "transport", "message_id", "entity", "outcome", "attempt", "duration_seconds")
 

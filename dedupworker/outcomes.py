@@ -8,14 +8,14 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .errors import Reject, RetryLater
-from .keys import normalize_entity
-from .transport import Settlements, settles_many
+from dedupworker.errors import Reject, RetryLater
+from dedupworker.keys import normalize_entity
+from dedupworker.transport import Settlements, settles_many
 
 if TYPE_CHECKING:
-    from .handler import Handler
-    from .transport import Delivery, Transport
-    from .wire import Executor
+    from dedupworker.handler import Handler
+    from dedupworker.transport import Delivery, Transport
+    from dedupworker.wire import Executor
 
 
 class Policy(Protocol):

@@ -10,10 +10,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import sql
-from .config import check_queue_name
-from .keys import InvalidEntity, normalize_entity
-from .message import Message
+from dedupworker import sql
+from dedupworker.config import check_queue_name
+from dedupworker.keys import InvalidEntity, normalize_entity
+from dedupworker.message import Message
 
 Body = bytes | str | Mapping[str, Any] | list[Any]
 BATCH_SIZE = 1000

@@ -14,14 +14,14 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from . import sql
-from .db import fetch_flag, give_back_broken
-from .engine import Call
-from .handler import Handler
-from .keys import LockKey
-from .outcomes import Outcome, Verdict, carry_out
-from .transport import Receives
-from .wire import Batch
+from dedupworker import sql
+from dedupworker.db import fetch_flag, give_back_broken
+from dedupworker.engine import Call
+from dedupworker.handler import Handler
+from dedupworker.keys import LockKey
+from dedupworker.outcomes import Outcome, Verdict, carry_out
+from dedupworker.transport import Receives
+from dedupworker.wire import Batch
 
 # Seconds before a message whose database call failed is offered again.
 GIVE_BACK_DELAY = 1.0

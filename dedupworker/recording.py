@@ -8,14 +8,14 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from . import metrics
-from .engine import Call
-from .hot import HotEntities
-from .outcomes import SUCCEEDED, Outcome, Verdict
+from dedupworker import metrics
+from dedupworker.engine import Call
+from dedupworker.hot import HotEntities
+from dedupworker.outcomes import SUCCEEDED, Outcome, Verdict
 
 if TYPE_CHECKING:
-    from .batches import BatchCall
-    from .handler import Handler
+    from dedupworker.batches import BatchCall
+    from dedupworker.handler import Handler
 
 log = logging.getLogger("dedupworker")
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from .transport import Pauses
+from dedupworker.transport import Pauses
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
 
-    from .engine import Engine, Serves
+    from dedupworker.engine import Engine, Serves
 
 log = logging.getLogger("dedupworker")
 

@@ -21,15 +21,15 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from .engine import Call, Transactions
-from .errors import ConfigurationError
-from .handler import Handler
-from .keys import lock_key
-from .outcomes import DUPLICATE, Verdict, identify, on_contended, on_failure, on_success
-from .received import ReceivedTransactions
-from .recording import Recorder
-from .transport import OpensTransactions, Receives, Transport
-from .turns import LocalTurns
+from dedupworker.engine import Call, Transactions
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import Handler
+from dedupworker.keys import lock_key
+from dedupworker.outcomes import DUPLICATE, Verdict, identify, on_contended, on_failure, on_success
+from dedupworker.received import ReceivedTransactions
+from dedupworker.recording import Recorder
+from dedupworker.transport import OpensTransactions, Receives, Transport
+from dedupworker.turns import LocalTurns
 
 log = logging.getLogger("dedupworker")
 

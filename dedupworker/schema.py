@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from .errors import SchemaMissing
+from dedupworker.errors import SchemaMissing
 
 # dedupworker's own advisory-lock namespace ("ddwk"); keep handler namespaces clear of it.
 INTERNAL_NAMESPACE = 0x6464776B

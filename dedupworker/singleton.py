@@ -30,11 +30,11 @@ import psycopg
 from prometheus_client import Counter
 from psycopg_pool import ConnectionPool
 
-from . import sql
-from .config import WorkerConfig
-from .db import connect, connection_kwargs, fetch_flag
-from .errors import ConfigurationError
-from .schema import INTERNAL_NAMESPACE
+from dedupworker import sql
+from dedupworker.config import WorkerConfig
+from dedupworker.db import connect, connection_kwargs, fetch_flag
+from dedupworker.errors import ConfigurationError
+from dedupworker.schema import INTERNAL_NAMESPACE
 
 log = logging.getLogger("dedupworker")
 

@@ -13,13 +13,13 @@ import psycopg
 import tenacity
 from psycopg_pool import ConnectionPool
 
-from .config import WorkerConfig
-from .db import behind_pooler, connect, describe_dsn, retryable, unavailable
-from .errors import ConfigurationError
-from .schema import check_schema
+from dedupworker.config import WorkerConfig
+from dedupworker.db import behind_pooler, connect, describe_dsn, retryable, unavailable
+from dedupworker.errors import ConfigurationError
+from dedupworker.schema import check_schema
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from dedupworker.worker import Worker
 
 log = logging.getLogger("dedupworker")
 

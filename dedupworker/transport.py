@@ -22,18 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from .message import Message
+from dedupworker.message import Message
 
 if TYPE_CHECKING:
     import threading
 
     from psycopg_pool import ConnectionPool
 
-    from .batches import BatchSource
-    from .engine import Transactions
-    from .handler import BatchHandler, Handler
-    from .sessions.sources import Source
-    from .wire import Executor
+    from dedupworker.batches import BatchSource
+    from dedupworker.engine import Transactions
+    from dedupworker.handler import BatchHandler, Handler
+    from dedupworker.sessions.sources import Source
+    from dedupworker.wire import Executor
 
 
 @dataclass(slots=True)

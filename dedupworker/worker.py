@@ -18,25 +18,32 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from . import metrics
-from ._version import __version__
-from .affinity import pin_process
-from .batches import BatchEngine
-from .config import WorkerConfig
-from .db import open_pool
-from .engine import Engine, Serves
-from .errors import ConfigurationError
-from .handler import BatchHandler, Handler
-from .health import Health
-from .http import serve
-from .reporting import Reporter
-from .runner import Runner
-from .sessions import SessionEngine
-from .shutdown import Shutdown, _on_stop
-from .singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
-from .startup import at_start, check_lock_dsn, check_pooler, check_schema_on, describe, queues_named
-from .transport import ReportsDepth, Wakes
-from .transports import load_transport
+from dedupworker import metrics
+from dedupworker._version import __version__
+from dedupworker.affinity import pin_process
+from dedupworker.batches import BatchEngine
+from dedupworker.config import WorkerConfig
+from dedupworker.db import open_pool
+from dedupworker.engine import Engine, Serves
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import BatchHandler, Handler
+from dedupworker.health import Health
+from dedupworker.http import serve
+from dedupworker.reporting import Reporter
+from dedupworker.runner import Runner
+from dedupworker.sessions import SessionEngine
+from dedupworker.shutdown import Shutdown, _on_stop
+from dedupworker.singleton import PurgeDead, PurgeLedger, Scheduler, Singleton
+from dedupworker.startup import (
+    at_start,
+    check_lock_dsn,
+    check_pooler,
+    check_schema_on,
+    describe,
+    queues_named,
+)
+from dedupworker.transport import ReportsDepth, Wakes
+from dedupworker.transports import load_transport
 
 log = logging.getLogger("dedupworker")
 

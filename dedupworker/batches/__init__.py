@@ -5,7 +5,7 @@ their transactions open and close (`ReceivedBatches` for SQS and Kafka; the post
 in transports/postgres/batches.py).
 """
 
-from .engine import BatchEngine
-from .sources import BatchCall, BatchSource
+from dedupworker.batches.engine import BatchEngine
+from dedupworker.batches.sources import BatchCall, BatchSource
 
 __all__ = ["BatchCall", "BatchEngine", "BatchSource"]

@@ -20,16 +20,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from .. import metrics
-from ..errors import ConfigurationError
-from ..handler import BatchHandler
-from ..keys import INT4_MAX, INT4_MIN
-from ..outcomes import DUPLICATE, Outcome, Verdict, identify, on_contended, on_failure, on_success
-from ..recording import Recorder
-from ..runner import check_transaction
-from ..transport import ClaimsBatches, Receives, Transport
-from ..wire import Batch
-from .sources import (
+from dedupworker import metrics
+from dedupworker.batches.sources import (
     RELEASE_SAVEPOINT,
     ROLLBACK_TO_SAVEPOINT,
     SAVEPOINT,
@@ -38,6 +30,22 @@ from .sources import (
     Keys,
     ReceivedBatches,
 )
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import BatchHandler
+from dedupworker.keys import INT4_MAX, INT4_MIN
+from dedupworker.outcomes import (
+    DUPLICATE,
+    Outcome,
+    Verdict,
+    identify,
+    on_contended,
+    on_failure,
+    on_success,
+)
+from dedupworker.recording import Recorder
+from dedupworker.runner import check_transaction
+from dedupworker.transport import ClaimsBatches, Receives, Transport
+from dedupworker.wire import Batch
 
 log = logging.getLogger("dedupworker")
 

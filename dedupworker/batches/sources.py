@@ -20,14 +20,14 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from .. import sql
-from ..db import give_back_broken
-from ..outcomes import Verdict, carry_out_many
-from ..transport import Delivery, Receives, ReceivesMany
-from ..wire import Batch, Result
+from dedupworker import sql
+from dedupworker.db import give_back_broken
+from dedupworker.outcomes import Verdict, carry_out_many
+from dedupworker.transport import Delivery, Receives, ReceivesMany
+from dedupworker.wire import Batch, Result
 
 if TYPE_CHECKING:
-    from ..handler import BatchHandler
+    from dedupworker.handler import BatchHandler
 
 SAVEPOINT = "SAVEPOINT dedupworker_batch"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_batch"

@@ -16,10 +16,10 @@ import flask
 from werkzeug.exceptions import BadRequest, Forbidden
 from werkzeug.wrappers import Response
 
-from .. import admin
-from .auth import COOKIE, READ_ONLY, SESSION_SECONDS, WRONG_TOKEN, actor_name
-from .pages import dead_search, search_args
-from .render import connection, current, page, plural, session, tell
+from dedupworker import admin
+from dedupworker.console.auth import COOKIE, READ_ONLY, SESSION_SECONDS, WRONG_TOKEN, actor_name
+from dedupworker.console.pages import dead_search, search_args
+from dedupworker.console.render import connection, current, page, plural, session, tell
 
 if TYPE_CHECKING:
     import psycopg

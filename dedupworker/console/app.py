@@ -16,12 +16,12 @@ import flask
 import psycopg
 from werkzeug.exceptions import HTTPException
 
-from ..errors import DatabaseUnavailable, DedupWorkerError, SchemaMissing
-from ..http import listen_refused
-from .actions import actions
-from .auth import COOKIE, Sessions, refusal
-from .pages import pages
-from .render import EXTENSION, Console, Database, Redactor, current, nonce, page
+from dedupworker.console.actions import actions
+from dedupworker.console.auth import COOKIE, Sessions, refusal
+from dedupworker.console.pages import pages
+from dedupworker.console.render import EXTENSION, Console, Database, Redactor, current, nonce, page
+from dedupworker.errors import DatabaseUnavailable, DedupWorkerError, SchemaMissing
+from dedupworker.http import listen_refused
 
 log = logging.getLogger("dedupworker.console")
 

@@ -7,8 +7,8 @@ import logging
 import os
 from typing import Any
 
-from ..cli_common import add_dsn, add_option, command
-from ..errors import ConfigurationError
+from dedupworker.cli_common import add_dsn, add_option, command
+from dedupworker.errors import ConfigurationError
 
 log = logging.getLogger("dedupworker.console")
 
@@ -48,7 +48,7 @@ def add_console(sub: Any) -> None:
 
 def cmd_console(args: argparse.Namespace) -> int:
     try:
-        from .app import create_app, serve
+        from dedupworker.console.app import create_app, serve
     except ImportError:
         raise ConfigurationError(NEEDS_EXTRA) from None
     _check(args)

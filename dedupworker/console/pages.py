@@ -12,9 +12,9 @@ import flask
 from werkzeug.exceptions import BadRequest, NotFound
 from werkzeug.wrappers import Response
 
-from .. import admin
-from ..locks import LockRow, advisory_locks
-from .render import ROW_LIMIT, connection, current, page
+from dedupworker import admin
+from dedupworker.console.render import ROW_LIMIT, connection, current, page
+from dedupworker.locks import LockRow, advisory_locks
 
 pages = flask.Blueprint("pages", __name__)
 

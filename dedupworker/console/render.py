@@ -13,9 +13,9 @@ import flask
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..db import connect, describe_dsn
-from ..errors import DatabaseUnavailable
-from .auth import Session, Sessions
+from dedupworker.console.auth import Session, Sessions
+from dedupworker.db import connect, describe_dsn
+from dedupworker.errors import DatabaseUnavailable
 
 log = logging.getLogger("dedupworker.console")
 

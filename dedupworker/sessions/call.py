@@ -18,14 +18,14 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..engine import Call
+from dedupworker.engine import Call
 
 if TYPE_CHECKING:
     import psycopg
 
-    from ..keys import SessionKey
-    from .connection import AsyncCallConnection, CallConnection
-    from .lock_session import LockSession, Resolved
+    from dedupworker.keys import SessionKey
+    from dedupworker.sessions.connection import AsyncCallConnection, CallConnection
+    from dedupworker.sessions.lock_session import LockSession, Resolved
 
 log = logging.getLogger("dedupworker.sessions")
 

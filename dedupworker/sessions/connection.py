@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql as pgsql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from .statements import SessionLost
+from dedupworker.sessions.statements import SessionLost
 
 Query = str | bytes | pgsql.SQL | pgsql.Composed
 Params = tuple[Any, ...] | list[Any] | dict[str, Any] | None

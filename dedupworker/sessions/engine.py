@@ -29,22 +29,22 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from ..engine import Host
-from ..errors import DatabaseUnavailable
-from ..handler import Handler
-from ..recording import Recorder
-from ..transport import Receives, Transport
-from .call import CallState, SessionCall
-from .lock_session import TCP_SETTINGS, LockSession
-from .manager import LockSessions
-from .path import CallPath
-from .sources import ReceivedSource, Source
-from .threads import DaemonThreads
+from dedupworker.engine import Host
+from dedupworker.errors import DatabaseUnavailable
+from dedupworker.handler import Handler
+from dedupworker.recording import Recorder
+from dedupworker.sessions.call import CallState, SessionCall
+from dedupworker.sessions.lock_session import TCP_SETTINGS, LockSession
+from dedupworker.sessions.manager import LockSessions
+from dedupworker.sessions.path import CallPath
+from dedupworker.sessions.sources import ReceivedSource, Source
+from dedupworker.sessions.threads import DaemonThreads
+from dedupworker.transport import Receives, Transport
 
 if TYPE_CHECKING:
     import collections
 
-    from ..config import WorkerConfig
+    from dedupworker.config import WorkerConfig
 
 log = logging.getLogger("dedupworker")
 
@@ -326,7 +326,7 @@ class SessionEngine:
 
 def source_of(transport: Transport, io: Executor) -> Source:
     """The transport's own session claims (the postgres queue), or a received message's."""
-    from ..transport import ClaimsOnSessions
+    from dedupworker.transport import ClaimsOnSessions
 
     if isinstance(transport, ClaimsOnSessions):
         return transport.session_claims()
@@ -336,7 +336,7 @@ def source_of(transport: Transport, io: Executor) -> Source:
 
 
 def _no_reads(dsn: str, size: int) -> str:
-    from ..db import describe_dsn
+    from dedupworker.db import describe_dsn
 
     return (
         f"cannot open the session-lock engine's read connections to {describe_dsn(dsn)} "

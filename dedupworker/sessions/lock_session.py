@@ -33,9 +33,16 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from . import statements
-from .requests import Requests, _fail, _Request, _resolve
-from .statements import Lock, Locked, Resolved, SessionLost, Settlement, SettlementFailed
+from dedupworker.sessions import statements
+from dedupworker.sessions.requests import Requests, _fail, _Request, _resolve
+from dedupworker.sessions.statements import (
+    Lock,
+    Locked,
+    Resolved,
+    SessionLost,
+    Settlement,
+    SettlementFailed,
+)
 
 __all__ = [
     "Lock",

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterable
 
 import psycopg
 
-from .. import metrics
-from ..db import retryable
-from ..errors import DatabaseUnavailable
-from .call import SessionCall
-from .lock_session import LockSession
-from .statements import Resolved, SessionLost
+from dedupworker import metrics
+from dedupworker.db import retryable
+from dedupworker.errors import DatabaseUnavailable
+from dedupworker.sessions.call import SessionCall
+from dedupworker.sessions.lock_session import LockSession
+from dedupworker.sessions.statements import Resolved, SessionLost
 
 log = logging.getLogger("dedupworker")
 
@@ -240,7 +240,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _no_session(dsn: str, exc: BaseException) -> str:
-    from ..db import describe_dsn
+    from dedupworker.db import describe_dsn
 
     return (
         f"cannot open a lock session to PostgreSQL at {describe_dsn(dsn)}: {_first_line(exc)}. "

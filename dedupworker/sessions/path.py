@@ -32,18 +32,26 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from .. import metrics, sql
-from ..handler import Handler
-from ..keys import session_key
-from ..outcomes import DUPLICATE, Outcome, Verdict, identify, on_contended, on_failure, on_success
-from ..recording import Recorder
-from .call import CallState, SessionCall
-from .connection import AsyncCallConnection, CallConnection
-from .lock_session import LockSession
-from .manager import LockSessions
-from .sources import Source
-from .statements import Lock, SessionLost, Settlement, SettlementFailed
-from .turns import AsyncTurns
+from dedupworker import metrics, sql
+from dedupworker.handler import Handler
+from dedupworker.keys import session_key
+from dedupworker.outcomes import (
+    DUPLICATE,
+    Outcome,
+    Verdict,
+    identify,
+    on_contended,
+    on_failure,
+    on_success,
+)
+from dedupworker.recording import Recorder
+from dedupworker.sessions.call import CallState, SessionCall
+from dedupworker.sessions.connection import AsyncCallConnection, CallConnection
+from dedupworker.sessions.lock_session import LockSession
+from dedupworker.sessions.manager import LockSessions
+from dedupworker.sessions.sources import Source
+from dedupworker.sessions.statements import Lock, SessionLost, Settlement, SettlementFailed
+from dedupworker.sessions.turns import AsyncTurns
 
 log = logging.getLogger("dedupworker")
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 
-from .statements import Lock, Locked, Resolved, SessionLost, Settlement
+from dedupworker.sessions.statements import Lock, Locked, Resolved, SessionLost, Settlement
 
 T = TypeVar("T")
 

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..outcomes import Verdict, carry_out
-from ..transport import Delivery, Receives, ReceivesMany
+from dedupworker.outcomes import Verdict, carry_out
+from dedupworker.transport import Delivery, Receives, ReceivesMany
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
-    from ..wire import Rows
-    from .lock_session import LockSession
+    from dedupworker.sessions.lock_session import LockSession
+    from dedupworker.wire import Rows
 
 # Seconds before a message whose call was cut off (its lock session lost) is offered again.
 GIVE_BACK_DELAY = 1.0

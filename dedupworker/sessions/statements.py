@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg.pq import ConnStatus
 
-from .. import sql
-from ..keys import SessionKey
+from dedupworker import sql
+from dedupworker.keys import SessionKey
 
 Conn = psycopg.AsyncConnection[Any]
 

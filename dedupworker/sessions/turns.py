@@ -7,8 +7,8 @@ import asyncio
 import collections
 from collections.abc import Hashable
 
-from .call import SessionCall
-from .statements import SessionLost
+from dedupworker.sessions.call import SessionCall
+from dedupworker.sessions.statements import SessionLost
 
 
 class AsyncTurns:

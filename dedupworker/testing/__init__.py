@@ -7,17 +7,17 @@ migrated database per test on a throwaway PostgreSQL started once per session. T
 itself never imports pytest.
 """
 
-from ._faults import (
+from dedupworker.testing._faults import (
     FaultNotInjected,
     KillWorker,
     RedeliverAfterCommit,
     RunFailed,
     TerminateBackend,
 )
-from ._recording import record_effect
-from ._report import Call, Dead, Duplicate, Overlap, Report
-from ._run import run
-from ._server import ThrowawayPostgres
+from dedupworker.testing._recording import record_effect
+from dedupworker.testing._report import Call, Dead, Duplicate, Overlap, Report
+from dedupworker.testing._run import run
+from dedupworker.testing._server import ThrowawayPostgres
 
 __all__ = [
     "Call",

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Protocol
 
 import psycopg
 
-from ..errors import ConfigurationError, DedupWorkerError
-from ._recording import SCHEMA
+from dedupworker.errors import ConfigurationError, DedupWorkerError
+from dedupworker.testing._recording import SCHEMA
 
 
 class RunFailed(DedupWorkerError):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ._faults import RunFailed
+from dedupworker.testing._faults import RunFailed
 
 
 class WorkerProcesses:

@@ -25,8 +25,8 @@ from typing import Any
 
 import psycopg
 
-from ..handler import Handler
-from ..message import Message
+from dedupworker.handler import Handler
+from dedupworker.message import Message
 
 SCHEMA = "dedupworker_testing"
 HEADER = "dedupworker-testing-message"  # the message's index in run()'s messages

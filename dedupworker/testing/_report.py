@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from ._recording import SCHEMA
+from dedupworker.testing._recording import SCHEMA
 
 SHOWN = 5  # lines of detail in an assertion's message
 

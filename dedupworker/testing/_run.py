@@ -17,13 +17,13 @@ from typing import Any, Literal
 
 import psycopg
 
-from ..errors import ConfigurationError
-from ..handler import Handler, load_handler
-from ..keys import is_int
-from ._faults import Context, Fault, Injector, fault_of
-from ._processes import WorkerProcesses
-from ._recording import DSN_ENV, HANDLER_ENV, create_tables
-from ._report import (
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import Handler, load_handler
+from dedupworker.keys import is_int
+from dedupworker.testing._faults import Context, Fault, Injector, fault_of
+from dedupworker.testing._processes import WorkerProcesses
+from dedupworker.testing._recording import DSN_ENV, HANDLER_ENV, create_tables
+from dedupworker.testing._report import (
     Call,
     Dead,
     Report,
@@ -33,8 +33,8 @@ from ._report import (
     read_commits,
     read_effects,
 )
-from ._sources import KafkaSource, PostgresSource, Source, SqsSource
-from .worker import PATH as RECORDED
+from dedupworker.testing._sources import KafkaSource, PostgresSource, Source, SqsSource
+from dedupworker.testing.worker import PATH as RECORDED
 
 Body = bytes | str | Mapping[str, Any] | Sequence[Any]
 Transport = Literal["postgres", "sqs", "kafka"]

@@ -21,8 +21,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..embedded import LocalPostgres, PackagedPostgres, private_postgres
-from ..schema import migrate
+from dedupworker.embedded import LocalPostgres, PackagedPostgres, private_postgres
+from dedupworker.schema import migrate
 
 DSN_ENV = "DEDUPWORKER_TEST_DSN"
 

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 import psycopg
 
-from ..errors import ConfigurationError
-from ..producer import enqueue
-from ._recording import HEADER
-from ._report import Dead
+from dedupworker.errors import ConfigurationError
+from dedupworker.producer import enqueue
+from dedupworker.testing._recording import HEADER
+from dedupworker.testing._report import Dead
 
 SQS_ENDPOINT_ENV = "DEDUPWORKER_TEST_SQS_ENDPOINT"
 BOOTSTRAP_ENV = "DEDUPWORKER_TEST_BOOTSTRAP_SERVERS"

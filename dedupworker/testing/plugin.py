@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from ..errors import DedupWorkerError
-from ._server import ThrowawayPostgres
-from ._sources import BOOTSTRAP_ENV, SQS_ENDPOINT_ENV
+from dedupworker.errors import DedupWorkerError
+from dedupworker.testing._server import ThrowawayPostgres
+from dedupworker.testing._sources import BOOTSTRAP_ENV, SQS_ENDPOINT_ENV
 
 SCHEMA_OPTION = "dedupworker_schema"
 

@@ -14,9 +14,9 @@ import inspect
 import os
 from typing import Any, cast
 
-from ..errors import ConfigurationError
-from ..handler import Handler
-from ._recording import HANDLER_ENV, Recording
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import Handler
+from dedupworker.testing._recording import HANDLER_ENV, Recording
 
 NAME = "Recorded"
 PATH = f"{__name__}:{NAME}"

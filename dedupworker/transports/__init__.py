@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import ConfigurationError, TransportError
+from dedupworker.errors import ConfigurationError, TransportError
 
 if TYPE_CHECKING:
-    from ..config import WorkerConfig
-    from ..transport import Transport
+    from dedupworker.config import WorkerConfig
+    from dedupworker.transport import Transport
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,26 @@ client), `handler` (`WebhookDelivery`), `async_sending` and `session` (the async
 from here: `dedupworker.webhooks:WebhookDelivery` on the command line.
 """
 
-from .deliveries import ENDPOINT_HEADER, Webhook, enqueue_deliveries, parse
-from .endpoints import Endpoint, add_endpoint, enable_endpoint, load_endpoint, rotate_secret
-from .handler import DEFAULT_RETRY_DELAYS, WEBHOOK_NAMESPACE, WebhookDelivery
-from .responses import AttemptResult, Fate, classify, parse_retry_after, retry_schedule
-from .retention import PurgeWebhookAttempts
-from .sending import Sender
-from .session import SessionWebhookDelivery
-from .signing import (
+from dedupworker.webhooks.deliveries import ENDPOINT_HEADER, Webhook, enqueue_deliveries, parse
+from dedupworker.webhooks.endpoints import (
+    Endpoint,
+    add_endpoint,
+    enable_endpoint,
+    load_endpoint,
+    rotate_secret,
+)
+from dedupworker.webhooks.handler import DEFAULT_RETRY_DELAYS, WEBHOOK_NAMESPACE, WebhookDelivery
+from dedupworker.webhooks.responses import (
+    AttemptResult,
+    Fate,
+    classify,
+    parse_retry_after,
+    retry_schedule,
+)
+from dedupworker.webhooks.retention import PurgeWebhookAttempts
+from dedupworker.webhooks.sending import Sender
+from dedupworker.webhooks.session import SessionWebhookDelivery
+from dedupworker.webhooks.signing import (
     DEFAULT_TOLERANCE,
     SECRET_BYTES,
     SECRET_PREFIX,

@@ -19,9 +19,9 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigurationError
-from .responses import AttemptResult, parse_retry_after
-from .sending import answered, deadline_error, describe_failure
+from dedupworker.errors import ConfigurationError
+from dedupworker.webhooks.responses import AttemptResult, parse_retry_after
+from dedupworker.webhooks.sending import answered, deadline_error, describe_failure
 
 if TYPE_CHECKING:
     import aiohttp

@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .. import sql
-from ..message import Message
-from ..producer import BATCH_SIZE, encode_body
+from dedupworker import sql
+from dedupworker.message import Message
+from dedupworker.producer import BATCH_SIZE, encode_body
 
 # The job header naming a delivery's endpoint, indexed for the ordering check.
 ENDPOINT_HEADER = "webhook_endpoint"

@@ -12,8 +12,8 @@ from typing import Any
 
 import psycopg
 
-from ..errors import ConfigurationError, Reject
-from .signing import generate_secret, secret_key
+from dedupworker.errors import ConfigurationError, Reject
+from dedupworker.webhooks.signing import generate_secret, secret_key
 
 # One endpoint's row, as `endpoint_from_row` reads it (the sync and the async handler both).
 ENDPOINT_COLUMNS = "id, url, secrets, disabled_at, disabled_reason"

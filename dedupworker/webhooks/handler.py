@@ -9,16 +9,16 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import psycopg
 
-from .._version import __version__
-from ..errors import ConfigurationError, HandlerSignal, Reject, RetryLater
-from ..handler import Handler
-from ..message import Message
-from ..outcomes import Outcome
-from .deliveries import Webhook, parse
-from .endpoints import _DISABLE, Endpoint, load_endpoint, usable_endpoint
-from .responses import AttemptResult, Fate, classify, retry_schedule
-from .sending import Sender
-from .signing import signature_header
+from dedupworker._version import __version__
+from dedupworker.errors import ConfigurationError, HandlerSignal, Reject, RetryLater
+from dedupworker.handler import Handler
+from dedupworker.message import Message
+from dedupworker.outcomes import Outcome
+from dedupworker.webhooks.deliveries import Webhook, parse
+from dedupworker.webhooks.endpoints import _DISABLE, Endpoint, load_endpoint, usable_endpoint
+from dedupworker.webhooks.responses import AttemptResult, Fate, classify, retry_schedule
+from dedupworker.webhooks.sending import Sender
+from dedupworker.webhooks.signing import signature_header
 
 # int4 "whks": the default lock namespace of webhook deliveries.
 WEBHOOK_NAMESPACE = 0x77686B73

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import psycopg
 
-from ..singleton import Singleton, purge
+from dedupworker.singleton import Singleton, purge
 
 if TYPE_CHECKING:
-    from ..config import WorkerConfig
+    from dedupworker.config import WorkerConfig
 
 _PURGE_ATTEMPTS = """
 DELETE FROM dedupworker_webhooks.attempts

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError
-from .responses import AttemptResult, parse_retry_after
+from dedupworker.errors import ConfigurationError
+from dedupworker.webhooks.responses import AttemptResult, parse_retry_after
 
 if TYPE_CHECKING:
     from urllib3.connectionpool import HTTPConnectionPool

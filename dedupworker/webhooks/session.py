@@ -19,11 +19,17 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..message import Message
-from .async_sending import AsyncSender
-from .deliveries import Webhook, parse
-from .endpoints import ENDPOINT, ENDPOINT_COLUMNS, Endpoint, endpoint_from_row, usable_endpoint
-from .handler import (
+from dedupworker.message import Message
+from dedupworker.webhooks.async_sending import AsyncSender
+from dedupworker.webhooks.deliveries import Webhook, parse
+from dedupworker.webhooks.endpoints import (
+    ENDPOINT,
+    ENDPOINT_COLUMNS,
+    Endpoint,
+    endpoint_from_row,
+    usable_endpoint,
+)
+from dedupworker.webhooks.handler import (
     _EARLIER_PENDING,
     WebhookDelivery,
     _Failed,
@@ -31,10 +37,10 @@ from .handler import (
     earlier_pending,
     signed_request,
 )
-from .responses import AttemptResult
+from dedupworker.webhooks.responses import AttemptResult
 
 if TYPE_CHECKING:
-    from ..sessions import AsyncCallConnection
+    from dedupworker.sessions import AsyncCallConnection
 
 # may_run's read: the ordering check, and the endpoint's row for handle (saving it a read).
 _EARLIER_AND_ENDPOINT = f"""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from ..errors import DedupWorkerError
+from dedupworker.errors import DedupWorkerError
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32

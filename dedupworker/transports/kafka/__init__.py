@@ -10,6 +10,6 @@ probe.py        the --drain end probe
 client.py       librdkafka settings, making a client, the reachability check, wording its errors
 """
 
-from .options import KafkaOptions
+from dedupworker.transports.kafka.options import KafkaOptions
 
 __all__ = ["KafkaOptions"]

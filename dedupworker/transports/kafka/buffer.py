@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 
-from .partitions import Key, _Partition, _Pending
+from dedupworker.transports.kafka.partitions import Key, _Partition, _Pending
 
 
 class _Buffer:

@@ -8,8 +8,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from ...errors import ConfigurationError, TransportError
-from .options import FIXED_CONSUMER, KafkaOptions
+from dedupworker.errors import ConfigurationError, TransportError
+from dedupworker.transports.kafka.options import FIXED_CONSUMER, KafkaOptions
 
 log = logging.getLogger("dedupworker.kafka")
 

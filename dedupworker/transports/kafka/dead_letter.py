@@ -8,7 +8,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from .partitions import _Pending
+from dedupworker.transports.kafka.partitions import _Pending
 
 DEAD_LETTER_TIMEOUT = 30.0
 REASON = "dedupworker.reason"

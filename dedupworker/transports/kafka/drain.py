@@ -12,8 +12,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaException, TopicPartition
 
-from .buffer import _Buffer
-from .probe import PROBE_SETTINGS, _EndProbe
+from dedupworker.transports.kafka.buffer import _Buffer
+from dedupworker.transports.kafka.probe import PROBE_SETTINGS, _EndProbe
 
 log = logging.getLogger("dedupworker.kafka")
 

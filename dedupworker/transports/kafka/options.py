@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ...errors import ConfigurationError
-from .. import TransportOptions, option
+from dedupworker.errors import ConfigurationError
+from dedupworker.transports import TransportOptions, option
 
 # Set by dedupworker itself: the commit scheme depends on them.
 FIXED_CONSUMER = {

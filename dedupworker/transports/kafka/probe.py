@@ -8,7 +8,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError
 
-from .client import POLL_BATCH, POLL_TIMEOUT, _client
+from dedupworker.transports.kafka.client import POLL_BATCH, POLL_TIMEOUT, _client
 
 # The drain check only needs to see whether a partition has a message at an offset: fetch little.
 PROBE_SETTINGS = {"max.partition.fetch.bytes": "1024"}

@@ -34,17 +34,24 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from ... import metrics
-from ...config import WorkerConfig
-from ...errors import TransportError
-from ...message import Message
-from ...transport import Delivery, Settlements
-from .buffer import _Buffer
-from .client import POLL_BATCH, POLL_TIMEOUT, _client, _hint, check_reachable, client_settings
-from .dead_letter import DEAD_LETTER_TIMEOUT, produce_dead_letter
-from .drain import _DrainCheck
-from .options import KafkaOptions
-from .partitions import _Partition, _Pending, _pending
+from dedupworker import metrics
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import TransportError
+from dedupworker.message import Message
+from dedupworker.transport import Delivery, Settlements
+from dedupworker.transports.kafka.buffer import _Buffer
+from dedupworker.transports.kafka.client import (
+    POLL_BATCH,
+    POLL_TIMEOUT,
+    _client,
+    _hint,
+    check_reachable,
+    client_settings,
+)
+from dedupworker.transports.kafka.dead_letter import DEAD_LETTER_TIMEOUT, produce_dead_letter
+from dedupworker.transports.kafka.drain import _DrainCheck
+from dedupworker.transports.kafka.options import KafkaOptions
+from dedupworker.transports.kafka.partitions import _Partition, _Pending, _pending
 
 log = logging.getLogger("dedupworker.kafka")
 

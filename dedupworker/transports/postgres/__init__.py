@@ -4,6 +4,6 @@ queue.py    the transport: claim statements, job rows, settling SQL, LISTEN wake
 claims.py   its transactions: claim, lock, savepoint and COMMIT AND CHAIN around each call
 """
 
-from .queue import PostgresTransport
+from dedupworker.transports.postgres.queue import PostgresTransport
 
 __all__ = ["PostgresTransport"]

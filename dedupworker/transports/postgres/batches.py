@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from ... import sql
-from ...batches.sources import SAVEPOINT, BatchCall, Keys, Statements, locked
-from ...db import give_back_broken, give_back_rolled_back
-from ...handler import BatchHandler, Handler
-from ...outcomes import carry_out_many
-from ...transport import Delivery
-from ...wire import Batch, Result
-from .cursor import Cursor
+from dedupworker import sql
+from dedupworker.batches.sources import SAVEPOINT, BatchCall, Keys, Statements, locked
+from dedupworker.db import give_back_broken, give_back_rolled_back
+from dedupworker.handler import BatchHandler, Handler
+from dedupworker.outcomes import carry_out_many
+from dedupworker.transport import Delivery
+from dedupworker.transports.postgres.cursor import Cursor
+from dedupworker.wire import Batch, Result
 
 if TYPE_CHECKING:
-    from .queue import PostgresTransport
+    from dedupworker.transports.postgres.queue import PostgresTransport
 
 # Seconds for which a thread's claims share the hot entities out (sql.BATCH_CLAIM_SHARED) after
 # one of its batches came with an entity repeated; and the window they look at, in batches per

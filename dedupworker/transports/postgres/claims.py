@@ -25,18 +25,18 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from ... import sql
-from ...db import fetch_flag, give_back_broken, give_back_rolled_back
-from ...engine import Call
-from ...handler import Handler
-from ...keys import LockKey
-from ...outcomes import Outcome, Verdict, carry_out
-from ...transport import Delivery
-from ...wire import Batch, Executor, Rows
-from .cursor import Cursor
+from dedupworker import sql
+from dedupworker.db import fetch_flag, give_back_broken, give_back_rolled_back
+from dedupworker.engine import Call
+from dedupworker.handler import Handler
+from dedupworker.keys import LockKey
+from dedupworker.outcomes import Outcome, Verdict, carry_out
+from dedupworker.transport import Delivery
+from dedupworker.transports.postgres.cursor import Cursor
+from dedupworker.wire import Batch, Executor, Rows
 
 if TYPE_CHECKING:
-    from .queue import PostgresTransport
+    from dedupworker.transports.postgres.queue import PostgresTransport
 
 SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import check_queue_name
-from .. import TransportOptions
+from dedupworker.config import check_queue_name
+from dedupworker.transports import TransportOptions
 
 
 @dataclass(frozen=True)

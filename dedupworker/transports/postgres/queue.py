@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from ... import metrics, sql
-from ...config import WorkerConfig
-from ...db import connection_kwargs
-from ...keys import KeyMode, normalize_entity
-from ...message import Message
-from ...transport import Delivery, Settlements
-from ...wire import Executor, Rows
-from .claims import ClaimedTransactions
+from dedupworker import metrics, sql
+from dedupworker.config import WorkerConfig
+from dedupworker.db import connection_kwargs
+from dedupworker.keys import KeyMode, normalize_entity
+from dedupworker.message import Message
+from dedupworker.transport import Delivery, Settlements
+from dedupworker.transports.postgres.claims import ClaimedTransactions
+from dedupworker.wire import Executor, Rows
 
 if TYPE_CHECKING:
-    from ...batches import BatchSource
-    from ...handler import BatchHandler, Handler
-    from ...sessions.sources import Source
+    from dedupworker.batches import BatchSource
+    from dedupworker.handler import BatchHandler, Handler
+    from dedupworker.sessions.sources import Source
 
 log = logging.getLogger("dedupworker")
 
@@ -66,7 +66,9 @@ class PostgresTransport:
     def session_claims(self) -> Source:
         """Jobs claimed by session locks, for the session-lock engine
         (transport.ClaimsOnSessions)."""
-        from .sessions import SessionClaims  # it builds Jobs: imported once this module is
+        from dedupworker.transports.postgres.sessions import (
+            SessionClaims,  # it builds Jobs: imported once this module is
+        )
 
         return SessionClaims(self)
 
@@ -75,7 +77,7 @@ class PostgresTransport:
     ) -> BatchSource:
         """Jobs claimed many at a time by `threads` handler threads, for the batch engine
         (transport.ClaimsBatches)."""
-        from .batches import ClaimedBatches
+        from dedupworker.transports.postgres.batches import ClaimedBatches
 
         return ClaimedBatches(self, handler, pool, threads)
 

@@ -15,18 +15,18 @@ import collections
 import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ... import sql
-from ...message import Message
-from ...outcomes import Verdict, carry_out
-from ...sessions.sources import Statements
-from ...transport import Delivery
+from dedupworker import sql
+from dedupworker.message import Message
+from dedupworker.outcomes import Verdict, carry_out
+from dedupworker.sessions.sources import Statements
+from dedupworker.transport import Delivery
 
 if TYPE_CHECKING:
     import psycopg
     from psycopg_pool import AsyncConnectionPool
 
-    from ...sessions.lock_session import LockSession
-    from .queue import PostgresTransport
+    from dedupworker.sessions.lock_session import LockSession
+    from dedupworker.transports.postgres.queue import PostgresTransport
 
 # Candidates read per claim, for each job wanted: some are held by other workers, some share
 # an entity.

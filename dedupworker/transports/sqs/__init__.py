@@ -8,6 +8,6 @@ attributes.py  headers, and the attributes of copies and dead letters fitted to 
 client.py      the boto3 client, the queue's attributes, boto3 errors explained with their fix
 """
 
-from .options import SqsOptions
+from dedupworker.transports.sqs.options import SqsOptions
 
 __all__ = ["SqsOptions"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...outcomes import bound_text
-from .state import STATE
+from dedupworker.outcomes import bound_text
+from dedupworker.transports.sqs.state import STATE
 
 REASON = "dedupworker-reason"  # on dead-lettered messages
 TRACEBACK = "dedupworker-traceback"  # on dead-lettered messages, when something raised

@@ -18,9 +18,9 @@ from botocore.exceptions import (
     NoRegionError,
 )
 
-from ...config import WorkerConfig
-from ...errors import TransportError
-from .options import SqsOptions, check_visibility
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import TransportError
+from dedupworker.transports.sqs.options import SqsOptions, check_visibility
 
 NOT_FOUND = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
 PERMISSIONS = (

@@ -10,8 +10,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from ...transport import Delivery
-from .state import _receipt
+from dedupworker.transport import Delivery
+from dedupworker.transports.sqs.state import _receipt
 
 BATCH = 10  # SQS's limit for receive, delete and change-visibility batches
 LINGER = 0.05  # seconds an acknowledged message may wait for a fuller delete batch

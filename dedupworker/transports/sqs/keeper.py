@@ -18,9 +18,9 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ...transport import Delivery
-from .inbox import _chunks, _Inbox
-from .state import _receipt
+from dedupworker.transport import Delivery
+from dedupworker.transports.sqs.inbox import _chunks, _Inbox
+from dedupworker.transports.sqs.state import _receipt
 
 log = logging.getLogger("dedupworker")
 

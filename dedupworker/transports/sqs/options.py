@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ...errors import ConfigurationError
-from .. import TransportOptions, option
+from dedupworker.errors import ConfigurationError
+from dedupworker.transports import TransportOptions, option
 
 MAX_PREFETCH = 9  # a receive asks for at most 10 messages: one for an idle thread, 9 more
 MAX_VISIBILITY = 43200

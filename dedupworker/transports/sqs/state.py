@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ...transport import Delivery
+from dedupworker.transport import Delivery
 
 log = logging.getLogger("dedupworker")
 

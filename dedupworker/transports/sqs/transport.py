@@ -21,12 +21,12 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ... import metrics
-from ...config import WorkerConfig
-from ...errors import ConfigurationError
-from ...message import Message
-from ...transport import Delivery, Settlements
-from .attributes import (
+from dedupworker import metrics
+from dedupworker.config import WorkerConfig
+from dedupworker.errors import ConfigurationError
+from dedupworker.message import Message
+from dedupworker.transport import Delivery, Settlements
+from dedupworker.transports.sqs.attributes import (
     MAX_ATTRIBUTES,
     REASON,
     REASON_LIMIT,
@@ -35,11 +35,11 @@ from .attributes import (
     _fitting,
     _headers,
 )
-from .client import _client, _explain, _redrive_note, _visibility
-from .inbox import BATCH, _chunks, _Inbox
-from .keeper import Keeper
-from .options import MAX_VISIBILITY, SqsOptions
-from .state import STATE, _Receipt, _receipt, _State, _string
+from dedupworker.transports.sqs.client import _client, _explain, _redrive_note, _visibility
+from dedupworker.transports.sqs.inbox import BATCH, _chunks, _Inbox
+from dedupworker.transports.sqs.keeper import Keeper
+from dedupworker.transports.sqs.options import MAX_VISIBILITY, SqsOptions
+from dedupworker.transports.sqs.state import STATE, _Receipt, _receipt, _State, _string
 
 log = logging.getLogger("dedupworker")
 
