@@ -35,8 +35,8 @@ import psycopg
 from bench.batches import spread
 from bench.draining import REPO
 from bench.postgres_throughput import concurrency_list, machine, refill, table
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 
 QUEUE = "drain"
 _TICKS = os.sysconf("SC_CLK_TCK")

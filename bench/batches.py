@@ -62,8 +62,8 @@ from bench.postgres_throughput import (
     table,
 )
 from bench.server_cpu import postmaster_pid
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 
 TARGET_OF_CEILING = 0.30  # the batch engine must reach this fraction of B's ceiling
 TARGET_OF_PGQUEUER = 5.0  # and this multiple of the best pgqueuer setting

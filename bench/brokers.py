@@ -65,9 +65,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException
 from bench.draining import children_cpu, self_cpu
 from bench.postgres_throughput import table
 from dedupworker import BatchHandler
-from dedupworker.embedded import private_postgres
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 from dedupworker.handler import load_handler
-from dedupworker.schema import migrate
 from tests.support.kafka_server import FAST_GROUP, Tansu, tansu_binary
 from tests.support.sqs_server import SqsServer
 

@@ -24,9 +24,9 @@ import urllib.request
 
 import psycopg
 
-from dedupworker import admin
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
+from dedupworker.ops.admin import operations as admin
 
 SEARCHES = {
     "everything": {},

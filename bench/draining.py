@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from bench.server_cpu import ServerCpu, us_per_message
-from dedupworker.embedded import find_local_bindir
+from dedupworker.dev.embedded import find_local_bindir
 
 REPO = Path(__file__).resolve().parent.parent
 GONE = "SELECT NOT EXISTS (SELECT 1 FROM dedupworker.jobs WHERE id BETWEEN %s AND %s)"

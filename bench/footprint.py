@@ -39,9 +39,9 @@ from typing import Any
 
 import psycopg
 
-from dedupworker.embedded import private_postgres
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 from dedupworker.producer import enqueue
-from dedupworker.schema import migrate
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE = "bench_footprint"
@@ -51,7 +51,7 @@ SELECT count(*) FROM pg_stat_activity
 WHERE pid <> pg_backend_pid() AND query LIKE 'LISTEN%%' AND application_name LIKE 'dedupworker%%'
 """
 LIMIT = 300.0  # seconds any one process may take
-IMPORTS = "import dedupworker.cli, dedupworker.worker"
+IMPORTS = "import dedupworker.ops.cli.main, dedupworker.process.worker"
 POLL = 0.005  # seconds between polls for the first job's commit
 
 

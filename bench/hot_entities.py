@@ -25,8 +25,8 @@ from bench.draining import Watcher, Workers, add_worker_options, spawn_worker
 from bench.postgres_throughput import entity_of
 from bench.server_cpu import ServerCpu, postmaster_pid
 from dedupworker import enqueue
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 
 
 def fill(dsn: str, args: argparse.Namespace) -> tuple[int, tuple[int, int]]:

@@ -14,8 +14,8 @@ import psycopg
 
 from bench.draining import Workers, run_dedupworker
 from bench.postgres_throughput import refill, require_empty
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 
 VARIANTS = {"metrics off": (), "metrics on": ("--metrics-port", "0")}
 

@@ -11,7 +11,7 @@ A. dedupworker: one `python -m dedupworker run bench.noop:Noop --drain` process 
    one round trip, [RELEASE; DELETE; COMMIT AND CHAIN; claim + lock; SAVEPOINT].
 B. plain psycopg: C threads, one autocommit connection each, the same statements in a loop in
    three pipelines through psycopg's pipeline API, [BEGIN; claim] [lock; SAVEPOINT] [RELEASE;
-   DELETE; COMMIT] (the runner sends its own through libpq directly, see dedupworker.wire).
+   DELETE; COMMIT] (the runner sends its own through libpq directly, see dedupworker.db.wire).
 C. pgbench: the same statements as a custom script (-M prepared), the database's ceiling;
    pgbench cannot use gset inside a pipeline, so its BEGIN and claim are two round trips and the
    other five statements one pipeline: three round trips.
@@ -65,14 +65,15 @@ from bench.draining import (
     self_cpu,
 )
 from bench.server_cpu import NA, postmaster_pid, readable
-from dedupworker import Message, sql
-from dedupworker.embedded import private_postgres
+from dedupworker import Message
+from dedupworker.db import sql
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 from dedupworker.producer import enqueue
-from dedupworker.schema import migrate
 
 NAMESPACE = 77  # bench.noop.Noop.lock_namespace
-LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.keys (int4)
-# The worker's claim (dedupworker.sql.CLAIM_LOCKING) without the given entity's lock.
+LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.decide.keys (int4)
+# The worker's claim (dedupworker.db.sql.CLAIM_LOCKING) without the given entity's lock.
 PLAIN_CLAIM = """
 SELECT id, body, headers, attempts, contentions
 FROM dedupworker.jobs

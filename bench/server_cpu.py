@@ -98,7 +98,7 @@ def readable(pid: int | None) -> int | None:
 
 
 def postmaster_pid(server: object | None) -> int | None:
-    """The postmaster of a private server (dedupworker.embedded's LocalPostgres; the pgserver
+    """The postmaster of a private server (dedupworker.dev.embedded's LocalPostgres; the pgserver
     wheel's from its data directory's postmaster.pid); None for none (an external server)."""
     pid_of = getattr(server, "pid", None)
     if callable(pid_of):

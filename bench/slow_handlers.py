@@ -53,10 +53,10 @@ from bench.draining import Watcher, Workers, add_worker_options, spawn_worker
 from bench.postgres_throughput import concurrency_list, entity_of, machine
 from bench.server_cpu import ServerCpu, postmaster_pid, us_per_message
 from dedupworker import enqueue
-from dedupworker.embedded import LocalPostgres, find_local_bindir
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import LocalPostgres, find_local_bindir
 
-MAX_CONNECTIONS = 100  # PostgreSQL's default; dedupworker.embedded starts its servers with 300
+MAX_CONNECTIONS = 100  # PostgreSQL's default; dedupworker.dev.embedded starts its servers with 300
 # The largest --concurrency today's engine starts at against MAX_CONNECTIONS (see bench/README.md),
 # and a level it does not start at.
 SERVED, UNSERVED = 96, 200
@@ -74,7 +74,7 @@ DEFAULTS = {False: (20_000, 2_000, 1000.0, [SERVED, UNSERVED]), True: (10_000, 2
 
 
 class DefaultServer(LocalPostgres):
-    """The private PostgreSQL of dedupworker.embedded, with `max_connections` at its default
+    """The private PostgreSQL of dedupworker.dev.embedded, with `max_connections` at its default
     (embedded's own start has no setting for it: it starts with 300)."""
 
     def _pg_ctl_start(self) -> None:

@@ -26,14 +26,17 @@ from typing import Any
 import psycopg
 
 from dedupworker import Message, enqueue
-from dedupworker.checking import check, create_tables, overlapping_calls
-from dedupworker.embedded import LocalPostgres, find_local_bindir
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import LocalPostgres, find_local_bindir
+from dedupworker.testing.checking import check, create_tables, overlapping_calls
 from tests.support.pgbouncer import PgBouncer
 from tests.support.proxy import Proxy
 
 REPO = Path(__file__).resolve().parent.parent
-HANDLERS = {False: "dedupworker.checking:CheckedHandler", True: "bench.soak_ledger:CheckedLedger"}
+HANDLERS = {
+    False: "dedupworker.testing.checking:CheckedHandler",
+    True: "bench.soak_ledger:CheckedLedger",
+}
 
 
 class Soak:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dedupworker import Message
-from dedupworker.checking import CheckedHandler
+from dedupworker.testing.checking import CheckedHandler
 
 
 class CheckedLedger(CheckedHandler):

@@ -4,7 +4,7 @@ N jobs `{"entity": i}` (`--messages`, default 1,000,000) with distinct entities 
 plainly (`--given`: with their entity) in chunks of 20,000; then one `python -m dedupworker run
 HANDLER --drain` process drains them at `--concurrency` (default 4), for each engine in turn
 (`--engines`, default per-message,batch: bench.noop:Noop, bench.noop:NoopBatch), each on a fresh
-private PostgreSQL (dedupworker.embedded's settings plus pg_stat_statements, track = all) with
+private PostgreSQL (dedupworker.dev.embedded's settings plus pg_stat_statements, track = all) with
 autovacuum at its defaults: nothing VACUUMs or ANALYZEs the jobs table but autovacuum.
 
 While the worker drains, a thread samples about every 1 % of the jobs (at the last rate seen;
@@ -45,8 +45,8 @@ from bench.draining import REPO, Workers, spawn_worker
 from bench.postgres_throughput import entity_of, machine, table
 from bench.server_cpu import ServerCpu, us_per_message
 from dedupworker import enqueue
-from dedupworker.embedded import LocalPostgres, find_local_bindir
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import LocalPostgres, find_local_bindir
 
 ENGINES = {"per-message": "bench.noop:Noop", "batch": "bench.noop:NoopBatch"}
 QUEUE = "sustained"
@@ -77,7 +77,7 @@ WHERE name LIKE 'autovacuum%' AND name NOT LIKE '%multixact%' AND name NOT LIKE 
 
 
 class StatementsServer(LocalPostgres):
-    """dedupworker.embedded's private PostgreSQL, with pg_stat_statements tracking all
+    """dedupworker.dev.embedded's private PostgreSQL, with pg_stat_statements tracking all
     statements (nested ones too)."""
 
     def _pg_ctl_start(self) -> None:

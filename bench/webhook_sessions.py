@@ -52,7 +52,7 @@ import psycopg
 
 from bench.draining import REPO, Watcher, Workers, spawn_worker
 from bench.slow_handlers import Sampler, header, start_server, worker_error
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
 from dedupworker.webhooks import SessionWebhookDelivery, add_endpoint, enqueue_deliveries
 from dedupworker.webhooks.async_sending import AsyncSender
 
@@ -227,8 +227,8 @@ class ProfiledWorkers(Workers):
 def run_profiled(path: str, argv: list[str]) -> int:
     """`dedupworker <argv>` with SessionEngine.serve (the event loop: the engine, the handler
     and its HTTP client) profiled; the stats are dumped to `path`."""
-    from dedupworker.cli import main
-    from dedupworker.sessions.engine import SessionEngine
+    from dedupworker.engines.session.engine import SessionEngine
+    from dedupworker.ops.cli.main import main
 
     serve = SessionEngine.serve
 

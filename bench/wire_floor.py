@@ -6,7 +6,7 @@ invocation and rounds alternating, on the same private PostgreSQL and freshly fi
 - dedupworker: `python -m dedupworker run bench.noop:Noop --drain` (bench.postgres_throughput's
   scenario A, jobs enqueued plainly);
 - floor, 2 round trips: C threads in this process, one connection each, sending exactly the
-  runner's statements through `dedupworker.wire` and nothing else: [lock; SAVEPOINT] and
+  runner's statements through `dedupworker.db.wire` and nothing else: [lock; SAVEPOINT] and
   [RELEASE; DELETE; COMMIT AND CHAIN; the claim from the thread's cursor] per message, the
   entity parsed from the body with json: no handler, no outcome, no metrics, no turns;
 - floor, 1 round trip: the same over jobs enqueued with their entity (the claim takes the
@@ -47,13 +47,13 @@ from bench.draining import (
 )
 from bench.postgres_throughput import NAMESPACE, PGBENCH_SCRIPT, machine, refill, require_empty
 from bench.server_cpu import postmaster_pid
-from dedupworker import sql, wire
-from dedupworker.embedded import private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db import sql, wire
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
 
 QUEUE = "floor"
 CLAIM = sql.CLAIM_LOCKING["int4"]  # the runner's claim, from a cursor (NULL: the head)
-LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.keys (int4)
+LOCK = "SELECT pg_try_advisory_xact_lock(%s::int4, %s::int4)"  # as dedupworker.decide.keys (int4)
 SAVEPOINT = "SAVEPOINT dedupworker_handler"
 RELEASE = "RELEASE SAVEPOINT dedupworker_handler"
 

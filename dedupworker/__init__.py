@@ -2,6 +2,10 @@
 
 from dedupworker._version import __version__
 from dedupworker.config import WorkerConfig
+from dedupworker.db.schema import migrate
+from dedupworker.decide.keys import LockKey, lock_key
+from dedupworker.decide.outcomes import Outcome
+from dedupworker.engines.session import AsyncCallConnection, CallConnection, SessionLost
 from dedupworker.errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -13,14 +17,10 @@ from dedupworker.errors import (
     TransportError,
 )
 from dedupworker.handler import BatchHandler, Handler, load_handler
-from dedupworker.keys import LockKey, lock_key
 from dedupworker.message import Message
-from dedupworker.outcomes import Outcome
+from dedupworker.process.singleton import Singleton
+from dedupworker.process.worker import Worker
 from dedupworker.producer import enqueue
-from dedupworker.schema import migrate
-from dedupworker.sessions import AsyncCallConnection, CallConnection, SessionLost
-from dedupworker.singleton import Singleton
-from dedupworker.worker import Worker
 
 __all__ = [
     "AsyncCallConnection",

@@ -1,5 +1,5 @@
 import sys
 
-from dedupworker.cli import main
+from dedupworker.ops.cli.main import main
 
 sys.exit(main())

@@ -13,12 +13,12 @@ import psycopg
 import tenacity
 from tenacity.wait import wait_base
 
+from dedupworker.db.schema import INTERNAL_NAMESPACE
+from dedupworker.db.sql import JOB_NAMESPACE
+from dedupworker.decide.keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
+from dedupworker.decide.outcomes import Outcome
 from dedupworker.errors import ConfigurationError, HandlerNotFound
-from dedupworker.keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
 from dedupworker.message import Message
-from dedupworker.outcomes import Outcome
-from dedupworker.schema import INTERNAL_NAMESPACE
-from dedupworker.sql import JOB_NAMESPACE
 
 
 class Handler:
@@ -32,7 +32,7 @@ class Handler:
     `lock_scope = "session"` runs the handler in the session-lock engine (slow handlers,
     thousands in flight on a few connections; docs/session-locks.md): no transaction is open
     during the call, `handle` may be `async def`, and `conn` is a
-    `dedupworker.sessions.CallConnection` whose `execute` queues writes that commit with the
+    `dedupworker.engines.session.CallConnection` whose `execute` queues writes that commit with the
     message's settlement, under the lock.
     """
 

@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from dedupworker import sql
 from dedupworker.config import check_queue_name
-from dedupworker.keys import InvalidEntity, normalize_entity
+from dedupworker.db import sql
+from dedupworker.decide.keys import InvalidEntity, normalize_entity
 from dedupworker.message import Message
 
 Body = bytes | str | Mapping[str, Any] | list[Any]

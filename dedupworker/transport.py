@@ -14,7 +14,7 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
 
-The transport carries outcomes out; it never decides them (dedupworker.outcomes does).
+The transport carries outcomes out; it never decides them (dedupworker.decide.outcomes does).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 
     from psycopg_pool import ConnectionPool
 
-    from dedupworker.batches import BatchSource
-    from dedupworker.engine import Transactions
+    from dedupworker.db.wire import Executor
+    from dedupworker.engines.batch.source import BatchSource
+    from dedupworker.engines.seams import Transactions
+    from dedupworker.engines.session.source import Source
     from dedupworker.handler import BatchHandler, Handler
-    from dedupworker.sessions.sources import Source
-    from dedupworker.wire import Executor
 
 
 @dataclass(slots=True)
@@ -107,7 +107,8 @@ class ReceivesMany(Protocol):
 @runtime_checkable
 class OpensTransactions(Protocol):
     """Messages that are rows of the database: the source opens each message's transaction
-    itself (the claim is part of it) and settles inside it (see transports/postgres/claims.py)."""
+    itself (the claim is part of it) and settles inside it (see
+    transports/postgres/transaction.py)."""
 
     def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...
 
@@ -115,7 +116,7 @@ class OpensTransactions(Protocol):
 @runtime_checkable
 class ClaimsOnSessions(Protocol):
     """Messages that are rows of the database, claimed for the session-lock engine by session
-    locks on its lock sessions (see transports/postgres/sessions.py)."""
+    locks on its lock sessions (see transports/postgres/session.py)."""
 
     def session_claims(self) -> Source: ...
 
@@ -123,7 +124,7 @@ class ClaimsOnSessions(Protocol):
 @runtime_checkable
 class ClaimsBatches(Protocol):
     """Messages that are rows of the database, claimed for the batch engine many at a time in
-    the batch's transaction (see transports/postgres/batches.py)."""
+    the batch's transaction (see transports/postgres/batch.py)."""
 
     def batch_claims(
         self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
@@ -193,7 +194,7 @@ class Wakes(Protocol):
 @runtime_checkable
 class Pauses(Protocol):
     """Stops claiming from its queue while it is paused (`dedupworker pause`); the worker's
-    reporter reads the pauses every second (dedupworker.reporting)."""
+    reporter reads the pauses every second (dedupworker.process.reporting)."""
 
     queue: str
 

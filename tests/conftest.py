@@ -17,8 +17,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.embedded import LocalPostgres, find_local_bindir
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import LocalPostgres, find_local_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = "dedupworker_template"

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import psycopg
 
+from dedupworker.decide.keys import is_int
 from dedupworker.errors import ConfigurationError
 from dedupworker.handler import Handler, load_handler
-from dedupworker.keys import is_int
 from dedupworker.testing._faults import Context, Fault, Injector, fault_of
 from dedupworker.testing._processes import WorkerProcesses
 from dedupworker.testing._recording import DSN_ENV, HANDLER_ENV, create_tables

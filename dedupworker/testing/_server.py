@@ -1,6 +1,6 @@
 """A PostgreSQL for one test session, and a fresh database per test cloned from a template.
 
-The server is `dedupworker demo`'s private one (dedupworker.embedded: the local server
+The server is `dedupworker demo`'s private one (dedupworker.dev.embedded: the local server
 binaries, else the `pgserver` wheel), or an existing server named by DEDUPWORKER_TEST_DSN (a
 role that may create databases). The template is migrated once, plus the SQL files given;
 each test's database is `CREATE DATABASE ... TEMPLATE`, dropped after the test. Everything the
@@ -21,8 +21,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dedupworker.embedded import LocalPostgres, PackagedPostgres, private_postgres
-from dedupworker.schema import migrate
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import LocalPostgres, PackagedPostgres, private_postgres
 
 DSN_ENV = "DEDUPWORKER_TEST_DSN"
 

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from dedupworker import sql
+from dedupworker.db import sql
 from dedupworker.message import Message
 from dedupworker.producer import BATCH_SIZE, encode_body
 

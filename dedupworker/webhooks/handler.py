@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Literal, Protocol
 import psycopg
 
 from dedupworker._version import __version__
+from dedupworker.decide.outcomes import Outcome
 from dedupworker.errors import ConfigurationError, HandlerSignal, Reject, RetryLater
 from dedupworker.handler import Handler
 from dedupworker.message import Message
-from dedupworker.outcomes import Outcome
 from dedupworker.webhooks.deliveries import Webhook, parse
 from dedupworker.webhooks.endpoints import _DISABLE, Endpoint, load_endpoint, usable_endpoint
 from dedupworker.webhooks.responses import AttemptResult, Fate, classify, retry_schedule

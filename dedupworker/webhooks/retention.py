@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import psycopg
 
-from dedupworker.singleton import Singleton, purge
+from dedupworker.process.singleton import Singleton, purge
 
 if TYPE_CHECKING:
     from dedupworker.config import WorkerConfig

@@ -40,7 +40,7 @@ from dedupworker.webhooks.handler import (
 from dedupworker.webhooks.responses import AttemptResult
 
 if TYPE_CHECKING:
-    from dedupworker.sessions import AsyncCallConnection
+    from dedupworker.engines.session import AsyncCallConnection
 
 # may_run's read: the ordering check, and the endpoint's row for handle (saving it a read).
 _EARLIER_AND_ENDPOINT = f"""

@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 import psycopg
 import pytest
 
-from dedupworker import admin
+from dedupworker.ops.admin import operations as admin
 from dedupworker.producer import enqueue
 from dedupworker.webhooks.endpoints import add_endpoint
 from tests.conftest import ROOT, clean_env, cli
@@ -295,7 +295,7 @@ def test_a_body_with_a_script_comes_back_escaped(
 def test_a_database_that_is_down_gives_a_503_without_traceback_or_password(
     start_console: StartConsole, tmp_path: Any
 ) -> None:
-    from dedupworker.embedded import free_port
+    from dedupworker.dev.embedded import free_port
 
     down = f"postgresql://ops:hunter2-secret@127.0.0.1:{free_port()}/shop"
     console = start_console(down, token=TOKEN)
@@ -377,7 +377,7 @@ def test_a_bad_search_says_what_to_write(start_console: StartConsole, dsn: str) 
 
 def test_the_console_command_without_its_extra_says_how_to_install_it(dsn: str) -> None:
     blocked = (
-        "import sys; sys.modules['flask'] = None; from dedupworker.cli import main; "
+        "import sys; sys.modules['flask'] = None; from dedupworker.ops.cli.main import main; "
         f"sys.exit(main(['console', '--dsn', {dsn!r}]))"
     )
     done = subprocess.run(
@@ -405,7 +405,7 @@ def test_the_console_command_refuses_bad_options_clearly() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from dedupworker.cli import build_parser; "
+            "import sys; from dedupworker.ops.cli.main import build_parser; "
             "build_parser(); print('flask' in sys.modules)",
         ],
         capture_output=True,

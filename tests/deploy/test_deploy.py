@@ -51,9 +51,10 @@ from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from dedupworker import cli, metrics
 from dedupworker.handler import Handler, load_class, validate_handler
-from dedupworker.singleton import Singleton
+from dedupworker.observe import metrics
+from dedupworker.ops.cli import main as cli
+from dedupworker.process.singleton import Singleton
 from tests.conftest import ROOT, clean_env
 
 CHART = ROOT / "helm" / "dedupworker"
@@ -751,7 +752,7 @@ def test_dockerfile_builds_a_slim_non_root_image_without_secrets() -> None:
     (entrypoint,) = [json.loads(arg) for op, arg in instructions if op == "ENTRYPOINT"]
     assert entrypoint == ["dedupworker"]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["dedupworker"] == "dedupworker.cli:main"
+    assert pyproject["project"]["scripts"]["dedupworker"] == "dedupworker.ops.cli.main:main"
     installs = [arg for op, arg in instructions if op == "RUN" and "pip install" in arg]
     assert any('".[sqs,kafka]"' in arg for arg in installs)
     assert {"sqs", "kafka"} <= set(pyproject["project"]["optional-dependencies"])
@@ -1079,7 +1080,7 @@ def test_compose_worker_exports_every_metric_of_the_dashboard_and_alerts(
     families = list(text_string_to_metric_families(body))
     scraped = exported_series(families)
     defined = exported_series(REGISTRY.collect()) & documented_series().keys()
-    assert metrics.MESSAGES is not None  # dedupworker.metrics registers into REGISTRY
+    assert metrics.MESSAGES is not None  # dedupworker.observe.metrics registers into REGISTRY
     accepted = scraped | {
         name for name in defined if documented_series()[name] in TRANSPORT_SPECIFIC
     }

@@ -3,7 +3,8 @@
 Real `dedupworker run --transport kafka --drain` processes run batch handlers
 (`dedupworker.BatchHandler`): tests/support/batch_broker_handlers.py's `KeyedBatch`, whose
 entity is the message key and whose ledger key is the default message id
-(topic/partition/offset), and the checker's `dedupworker.checking.BatchCheckedHandler` (ledger
+(topic/partition/offset), and the checker's `dedupworker.testing.checking.BatchCheckedHandler`
+(ledger
 key: the body's "msg"). Each entity's messages go to one partition, keyed by the entity. What
 must hold: every message's effect committed once, each key's messages applied in offset order
 (the transport hands out at most one message per key at a time, so a batch holds one message
@@ -27,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking import create_tables
+from dedupworker.testing.checking import create_tables
 from dedupworker.transports.kafka.dead_letter import REASON
 from tests.kafka.test_faults_kafka import gate
 from tests.kafka.test_sessions_kafka import (
@@ -60,7 +61,7 @@ from tests.support.kafka_server import Tansu
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
 KEYED = "tests.support.batch_broker_handlers:KeyedBatch"
-CHECKED = "dedupworker.checking:BatchCheckedHandler"
+CHECKED = "dedupworker.testing.checking:BatchCheckedHandler"
 
 
 @pytest.fixture

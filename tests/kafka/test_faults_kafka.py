@@ -4,7 +4,8 @@ independent checker.
 Each test produces keyed messages over a few hot entities (the key is the entity, and each
 entity's messages go to one partition) plus one poison message, runs real
 `dedupworker run --transport kafka --drain` processes of one consumer group with the checker's
-handler (`dedupworker.checking:CheckedHandler`), injects one fault while they drain the topic,
+handler (`dedupworker.testing.checking:CheckedHandler`), injects one fault while they drain the
+topic,
 and asserts zero overlapping calls per entity, zero lost messages, zero double successes (the
 dedup ledger keys on topic/partition/offset, so a re-delivered message commits its effect
 once), nothing in the dead-letter topic but the poison message (with its reason), every process
@@ -35,7 +36,13 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dedupworker.checking import CheckedHandler, Report, check, create_tables, overlapping_calls
+from dedupworker.testing.checking import (
+    CheckedHandler,
+    Report,
+    check,
+    create_tables,
+    overlapping_calls,
+)
 from dedupworker.transports.kafka.dead_letter import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import effects, scalar
@@ -51,7 +58,7 @@ MESSAGES = 320
 GATE = "e0"  # on partition 0; its calls are short (GATE_WORK_MS): they run last
 GATE_WORK_MS = 20
 POISON = "poison"
-CHECKED = "dedupworker.checking:CheckedHandler"
+CHECKED = "dedupworker.testing.checking:CheckedHandler"
 CUT_SECONDS = 3.0  # longer than session.timeout.ms: the broker drops every member meanwhile
 SETTINGS = {**FAST_GROUP, "auto.commit.interval.ms": "200"}
 OWNERSHIP = re.compile(r"(assigned|revoked|lost) \S+ partitions \[([0-9, ]*)\]")

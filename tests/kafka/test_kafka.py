@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dedupworker import ConfigurationError, TransportError, WorkerConfig
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 from dedupworker.transports.kafka import KafkaOptions
 from dedupworker.transports.kafka import transport as kafka_module
 from dedupworker.transports.kafka.buffer import _Buffer

@@ -2,7 +2,8 @@
 workers' connections to PostgreSQL cut, PostgreSQL restarted (tests/support/db_faults.py).
 
 Two `--drain` workers of one group with async or plain-function handlers
-(`dedupworker.checking`'s, as in the postgres fault suites) reach PostgreSQL through a relay;
+(`dedupworker.testing.checking`'s, as in the postgres fault suites) reach PostgreSQL through a
+relay;
 the independent checker, reading directly, finds no overlap, no loss and no effect applied
 twice, and both workers drain and exit 0.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking_sessions import create_session_tables
 from tests.kafka.test_sessions_kafka import Workers, new_topic, produce
 from tests.support.db_faults import DatabaseFaults
 from tests.support.kafka_server import Tansu
@@ -25,8 +26,8 @@ from tests.support.worker_processes import injecting
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 HANDLERS = {
-    "async": "dedupworker.checking_sessions:SessionCheckedHandler",
-    "threads": "dedupworker.checking_sessions:SessionCheckedThreadHandler",
+    "async": "dedupworker.testing.checking_sessions:SessionCheckedHandler",
+    "threads": "dedupworker.testing.checking_sessions:SessionCheckedThreadHandler",
 }
 ENTITIES, PARTITIONS, COUNT = 12, 3, 1500
 

@@ -5,7 +5,8 @@ handlers of tests/support/session_handlers.py (`lock_scope = "session"`: no tran
 the call, its lock a session lock on one of the worker's lock sessions, its writes committed
 with the message's settlement, then the transport's ack, retry or dead letter). The key is the
 entity and each entity's messages go to one partition; the checker
-(`dedupworker.checking.check`) reads back what the calls recorded: zero overlapping calls per
+(`dedupworker.testing.checking.check`) reads back what the calls recorded: zero overlapping calls
+per
 entity, nothing lost, no effect committed twice, and each key's calls in offset order.
 
 Where a test needs work left whatever the machine's speed (a worker to kill mid-run), a gate
@@ -34,8 +35,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dedupworker.checking import Report, check, overlapping_calls
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking import Report, check, overlapping_calls
+from dedupworker.testing.checking_sessions import create_session_tables
 from dedupworker.transports.kafka.dead_letter import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import scalar

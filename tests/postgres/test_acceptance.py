@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.schema import MIGRATIONS
+from dedupworker.db.schema import MIGRATIONS
 from tests.conftest import clean_env, cli
 from tests.support.acceptance import assert_each_once, scalar, worker
 from tests.support.handlers import GATE_NAMESPACE

@@ -1,4 +1,5 @@
-"""dedupworker.admin, the operations `dedupworker dead` and `enqueue` call, on a real PostgreSQL."""
+"""dedupworker.ops.admin.operations, the operations `dedupworker dead` and `enqueue` call, on a
+real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import Handler, Message, SchemaMissing, admin, enqueue, sql
-from dedupworker.lines import enqueue_lines, read_json_lines
+from dedupworker import Handler, Message, SchemaMissing, enqueue
+from dedupworker.db import sql
+from dedupworker.ops.admin import operations as admin
+from dedupworker.ops.cli.lines import enqueue_lines, read_json_lines
 from tests.conftest import with_db
 
 

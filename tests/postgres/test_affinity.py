@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from dedupworker import ConfigurationError, enqueue
-from dedupworker.affinity import _ranges, pin_process
+from dedupworker.process.affinity import _ranges, pin_process
 from tests.conftest import cli
 
 pytestmark = pytest.mark.skipif(

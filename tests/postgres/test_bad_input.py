@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dedupworker import Handler, Message, WorkerConfig, enqueue
-from dedupworker.db import open_pool
-from dedupworker.runner import Runner
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 
 pytestmark = pytest.mark.postgres

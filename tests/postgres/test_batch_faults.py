@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue
-from dedupworker.checking import Report, check, create_tables
+from dedupworker.testing.checking import Report, check, create_tables
 from tests.postgres.test_faults import ENTITIES, PROCESSES, Run, every_other_entity
 from tests.support.checked_calls import scalar
 

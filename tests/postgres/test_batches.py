@@ -19,8 +19,8 @@ import psycopg
 import pytest
 
 from dedupworker import Message, enqueue
+from dedupworker.decide.keys import lock_key
 from dedupworker.handler import BATCH_SIZE_MAX
-from dedupworker.keys import lock_key
 from tests.conftest import ROOT, clean_env, cli
 from tests.support.batch_handlers import NAMESPACE, RETRY_LATER_DELAY, TABLES
 from tests.support.checked_calls import scalar

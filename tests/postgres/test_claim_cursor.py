@@ -14,11 +14,11 @@ import pytest
 
 from dedupworker import Handler, Message
 from dedupworker.config import WorkerConfig
-from dedupworker.db import open_pool
-from dedupworker.outcomes import SUCCEEDED
+from dedupworker.db.connect import open_pool
+from dedupworker.decide.outcomes import SUCCEEDED
 from dedupworker.transports.postgres import cursor
-from dedupworker.transports.postgres.claims import ClaimedTransactions
 from dedupworker.transports.postgres.queue import PostgresTransport
+from dedupworker.transports.postgres.transaction import ClaimedTransactions
 from tests.postgres.test_batch_cursor import QUEUE, fill, move_behind
 from tests.support.checked_calls import scalar
 

@@ -15,7 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import enqueue, sql
+from dedupworker import enqueue
+from dedupworker.db import sql
 from dedupworker.transports.postgres import sessions as session_claims
 
 pytestmark = pytest.mark.postgres

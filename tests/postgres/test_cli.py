@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dedupworker import ConfigurationError, WorkerConfig, enqueue
-from dedupworker.cli import _merge_pairs, build_parser
+from dedupworker.ops.cli.main import _merge_pairs, build_parser
 from dedupworker.transports.sqs import SqsOptions
 from tests.conftest import cli
 

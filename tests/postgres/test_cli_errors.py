@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 from tests.conftest import ROOT, clean_env, cli
 
 pytestmark = [pytest.mark.postgres]

@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import admin
-from dedupworker.schema import INTERNAL_NAMESPACE
-from dedupworker.sql import JOB_NAMESPACE
+from dedupworker.db.schema import INTERNAL_NAMESPACE
+from dedupworker.db.sql import JOB_NAMESPACE
+from dedupworker.ops.admin import operations as admin
 from tests.conftest import ROOT, cli
 
 pytestmark = [pytest.mark.postgres]

@@ -1,4 +1,5 @@
-"""The operator console's admin functions (dedupworker.admin) and their command line verbs
+"""The operator console's admin functions (dedupworker.ops.admin.operations) and their command line
+verbs
 (pause, resume, queues, dead list/requeue/discard by search), on a real PostgreSQL."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import ConfigurationError, SchemaMissing, admin, enqueue, sql
+from dedupworker import ConfigurationError, SchemaMissing, enqueue
+from dedupworker.db import sql
+from dedupworker.ops.admin import operations as admin
 from dedupworker.webhooks.endpoints import add_endpoint
 from tests.conftest import cli, with_db
 
@@ -443,7 +446,7 @@ def test_cli_pause_queues_and_resume(dsn: str, conn: psycopg.Connection[Any]) ->
 
 
 def admin_header() -> tuple[str, ...]:
-    from dedupworker.cli_queues import QUEUE_HEADER
+    from dedupworker.ops.cli.queues import QUEUE_HEADER
 
     return QUEUE_HEADER
 

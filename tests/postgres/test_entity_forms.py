@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.keys import lock_key
-from dedupworker.sql import CLAIM_LOCKING
+from dedupworker.db.sql import CLAIM_LOCKING
+from dedupworker.decide.keys import lock_key
 from tests.conftest import cli
 from tests.support.acceptance import OVERLAPS, assert_each_once, scalar, worker
 

@@ -1,7 +1,7 @@
 """Faults against the postgres transport, judged by the independent checker.
 
 Each test enqueues messages over a few hot entities (plus one poison message), runs real worker
-processes with `dedupworker.checking:CheckedHandler`, injects one kind of fault while they
+processes with `dedupworker.testing.checking:CheckedHandler`, injects one kind of fault while they
 drain the queue, and asserts zero overlapping calls per entity, zero lost messages, zero
 double successes and no unexpected dead letters.
 """
@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from dedupworker import Message, enqueue
-from dedupworker.checking import Report, check, create_tables
+from dedupworker.testing.checking import Report, check, create_tables
 from tests.conftest import clean_env
 from tests.support.checked_calls import scalar
 from tests.support.pgbouncer import PgBouncer
@@ -44,7 +44,7 @@ class Run(WorkerProcesses):
         check_dsn: str,
         logs: Path,
         *,
-        handler: str = "dedupworker.checking:CheckedHandler",
+        handler: str = "dedupworker.testing.checking:CheckedHandler",
         options: Sequence[str] = ("--concurrency", "3"),
         drain_limit: float = 240,
     ) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.demo import print_next_steps
-from dedupworker.embedded import LocalPostgres, free_port
+from dedupworker.dev.demo import print_next_steps
+from dedupworker.dev.embedded import LocalPostgres, free_port
 from tests.conftest import ROOT, clean_env, cli
 
 pytestmark = [pytest.mark.postgres]

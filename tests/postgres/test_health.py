@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dedupworker import enqueue
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 from tests.support.acceptance import scalar, worker
 from tests.support.proxy import Proxy
 from tests.support.session_engine_handlers import TABLE as ENGINE_CALLS

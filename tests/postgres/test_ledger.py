@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dedupworker import Worker, WorkerConfig, enqueue, load_handler
-from dedupworker.db import open_pool
-from dedupworker.runner import Runner
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 
 pytestmark = pytest.mark.postgres

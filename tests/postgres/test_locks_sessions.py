@@ -14,10 +14,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import sql
-from dedupworker.embedded import LocalPostgres
-from dedupworker.locks import advisory_locks
-from dedupworker.schema import INTERNAL_NAMESPACE
+from dedupworker.db import sql
+from dedupworker.db.schema import INTERNAL_NAMESPACE
+from dedupworker.dev.embedded import LocalPostgres
+from dedupworker.ops.locks import advisory_locks
 from tests.conftest import cli, with_db
 from tests.support.acceptance import scalar, worker
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dedupworker import Worker, enqueue
-from dedupworker.hot import HotEntities
+from dedupworker.observe.hot import HotEntities
 from tests.conftest import ROOT, cli
 from tests.support.proxy import Proxy
 from tests.support.running import get, start, wait_for

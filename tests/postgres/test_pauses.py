@@ -1,5 +1,5 @@
 """Paused queues (dedupworker.queue_pauses) are honoured by every engine, and workers report
-their heartbeat, hot entities and throughput (dedupworker.reporting) for the console."""
+their heartbeat, hot entities and throughput (dedupworker.process.reporting) for the console."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_workers_report_heartbeat_hot_entities_and_throughput(
 def test_a_dead_job_keeps_the_entity_its_worker_found_for_the_search(
     dsn: str, conn: psycopg.Connection[Any], engine: str
 ) -> None:
-    from dedupworker import admin
+    from dedupworker.ops.admin import operations as admin
 
     rejecting = ENGINES[engine].replace(":", ":Rejects")
     enqueue(conn, "q", [{"entity": "7"}, {"entity": 8}, {"entity": "user-9"}])

@@ -22,13 +22,13 @@ from dedupworker import (
     WorkerConfig,
     enqueue,
     migrate,
-    sql,
 )
-from dedupworker.db import open_pool
+from dedupworker.db import sql
+from dedupworker.db.connect import open_pool
+from dedupworker.db.schema import MIGRATIONS
+from dedupworker.decide.keys import InvalidEntity, lock_key
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.errors import SchemaMissing
-from dedupworker.keys import InvalidEntity, lock_key
-from dedupworker.runner import Runner
-from dedupworker.schema import MIGRATIONS
 from dedupworker.transports.postgres import PostgresTransport
 
 pytestmark = pytest.mark.postgres
@@ -142,7 +142,7 @@ def test_ahead_claims_the_next_job_with_the_commit_and_release_gives_it_back(
 def test_a_thread_gives_its_connection_back_to_the_pool_every_ahead_chain(
     runner: Runner, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dedupworker.transports.postgres.claims.AHEAD_CHAIN", 2)
+    monkeypatch.setattr("dedupworker.transports.postgres.transaction.AHEAD_CHAIN", 2)
     enqueue(conn, "q", [{"entity": i} for i in range(4)])
     available = []
     for _ in range(4):

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.embedded import LocalPostgres
+from dedupworker.dev.embedded import LocalPostgres
 from tests.conftest import ROOT, clean_env, with_db
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]

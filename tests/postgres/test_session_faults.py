@@ -2,7 +2,7 @@
 judged by the independent checker.
 
 As in tests/postgres/test_faults.py, whose helpers these reuse: real worker processes (here
-`dedupworker.checking_sessions:SessionCheckedHandler`, an `async def handle`, or its plain-
+`dedupworker.testing.checking_sessions:SessionCheckedHandler`, an `async def handle`, or its plain-
 function twin run on threads; 50 calls in flight each, on 2 lock sessions) drain messages over a
 few hot entities plus one poison message while one kind of fault is injected. Each test asserts
 zero overlapping calls per entity (a cut-off call counts until its cancellation), zero lost
@@ -31,13 +31,14 @@ from typing import Any, NamedTuple
 import psycopg
 import pytest
 
-from dedupworker import enqueue, sql
-from dedupworker.checking import overlapping_calls
-from dedupworker.checking_sessions import create_session_tables
-from dedupworker.keys import session_key
-from dedupworker.sessions import SessionLost
-from dedupworker.sessions.lock_session import Lock, LockSession, Settlement
-from dedupworker.worker import _on_stop
+from dedupworker import enqueue
+from dedupworker.db import sql
+from dedupworker.decide.keys import session_key
+from dedupworker.engines.session import SessionLost
+from dedupworker.engines.session.lock_session import Lock, LockSession, Settlement
+from dedupworker.process.worker import _on_stop
+from dedupworker.testing.checking import overlapping_calls
+from dedupworker.testing.checking_sessions import create_session_tables
 from tests.postgres.test_faults import Run, assert_clean, fill, handlers_running, run_with
 from tests.support.acceptance import worker
 from tests.support.checked_calls import scalar
@@ -54,8 +55,8 @@ KILLS = 10
 DRAIN_LIMIT = 120  # seconds for all the workers to drain: about ten times what they need
 KILL_EVERY = 0.3  # seconds
 HANDLERS = {
-    "async": "dedupworker.checking_sessions:SessionCheckedHandler",
-    "threads": "dedupworker.checking_sessions:SessionCheckedThreadHandler",
+    "async": "dedupworker.testing.checking_sessions:SessionCheckedHandler",
+    "threads": "dedupworker.testing.checking_sessions:SessionCheckedThreadHandler",
 }
 OPTIONS = ("--concurrency", "50", "--lock-sessions", "2")
 # The engine's WARNING for each call its lock session's loss cut off.

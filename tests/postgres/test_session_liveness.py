@@ -30,8 +30,8 @@ import psycopg
 import pytest
 
 from dedupworker import Message, enqueue
-from dedupworker.checking import check
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking import check
+from dedupworker.testing.checking_sessions import create_session_tables
 from tests.conftest import clean_env
 from tests.postgres.test_faults import handlers_running
 from tests.support.checked_calls import scalar
@@ -47,8 +47,8 @@ MESSAGES = 12_000  # 15 entities x 33 calls a second: the faults end long before
 SHUTDOWN_TIMEOUT = 5.0
 # What SIGTERM may take beyond --shutdown-timeout: the engine's grace, the exit's own work.
 EXIT_MARGIN = 15.0
-ASYNC = "dedupworker.checking_sessions:SessionCheckedHandler"
-THREADS = "dedupworker.checking_sessions:SessionCheckedThreadHandler"
+ASYNC = "dedupworker.testing.checking_sessions:SessionCheckedHandler"
+THREADS = "dedupworker.testing.checking_sessions:SessionCheckedThreadHandler"
 OPTIONS = [
     "--queue", "q", "--concurrency", "50", "--lock-sessions", "2", "--poll-interval", "0.2",
     "--connect-timeout", "60", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),

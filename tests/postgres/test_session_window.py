@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking_sessions import create_session_tables
 from tests.support.session_window import outside_window, unguarded_cut_offs
 
 pytestmark = pytest.mark.postgres

@@ -13,7 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker import enqueue, sql
+from dedupworker import enqueue
+from dedupworker.db import sql
 from tests.conftest import ROOT, clean_env, cli
 from tests.support.checked_calls import scalar
 from tests.support.pgbouncer import PgBouncer

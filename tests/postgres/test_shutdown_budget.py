@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue
-from dedupworker.shutdown import SHUTDOWN_MARGIN
+from dedupworker.process.shutdown import SHUTDOWN_MARGIN
 from tests.support.acceptance import scalar, worker
 from tests.support.stuck_handlers import STARTED, TABLE
 

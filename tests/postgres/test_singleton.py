@@ -14,9 +14,9 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from dedupworker import ConfigurationError, Singleton, WorkerConfig
-from dedupworker.db import open_pool
-from dedupworker.schema import INTERNAL_NAMESPACE
-from dedupworker.singleton import Scheduler
+from dedupworker.db.connect import open_pool
+from dedupworker.db.schema import INTERNAL_NAMESPACE
+from dedupworker.process.singleton import Scheduler
 from tests.conftest import ROOT, clean_env
 from tests.support.acceptance import scalar
 
@@ -105,7 +105,7 @@ def test_session_singletons_are_refused_behind_pgbouncer(
 def test_purges_delete_only_what_is_past_retention(
     dsn: str, pool: ConnectionPool[Any], conn: psycopg.Connection[Any]
 ) -> None:
-    from dedupworker.singleton import PurgeDead, PurgeLedger
+    from dedupworker.process.singleton import PurgeDead, PurgeLedger
 
     conn.execute(
         "INSERT INTO dedupworker.processed (scope, key, processed_at) VALUES"

@@ -258,7 +258,8 @@ def test_the_example_project_passes(tmp_path: Path) -> None:
 
 def test_the_package_never_imports_pytest() -> None:
     code = (
-        "import sys, dedupworker, dedupworker.cli, dedupworker.worker, dedupworker.testing;"
+        "import sys, dedupworker, dedupworker.ops.cli.main, dedupworker.process.worker;"
+        "import dedupworker.testing;"
         "import dedupworker.testing.worker; print('pytest' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

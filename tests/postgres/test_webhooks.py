@@ -14,10 +14,10 @@ import psycopg
 import pytest
 
 from dedupworker import Worker, WorkerConfig, enqueue
-from dedupworker.db import open_pool
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.errors import Reject, RetryLater
 from dedupworker.handler import backoff_seconds
-from dedupworker.runner import Runner
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.webhooks import (
     DEFAULT_RETRY_DELAYS,
@@ -556,7 +556,7 @@ def test_purge_deletes_old_attempt_records(conn: psycopg.Connection[Any]) -> Non
 
 def test_receivers_need_no_http_client_and_the_core_does_not_load_webhooks() -> None:
     code = (
-        "import sys, dedupworker, dedupworker.worker, dedupworker.cli;"
+        "import sys, dedupworker, dedupworker.process.worker, dedupworker.ops.cli.main;"
         "core = 'dedupworker.webhooks' in sys.modules;"
         "from dedupworker.webhooks import verify;"
         "print(core, 'urllib3' in sys.modules)"

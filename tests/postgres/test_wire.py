@@ -1,4 +1,5 @@
-"""dedupworker.wire against a real PostgreSQL: parameters, results, errors, prepared statements."""
+"""dedupworker.db.wire against a real PostgreSQL: parameters, results, errors, prepared
+statements."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from dedupworker import wire
-from dedupworker.wire import Batch
+from dedupworker.db import wire
+from dedupworker.db.wire import Batch
 
 pytestmark = pytest.mark.postgres
 

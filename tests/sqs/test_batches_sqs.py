@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.batches.sources import RECEIVE_MAX
+from dedupworker.engines.batch.source import RECEIVE_MAX
 from tests.sqs.test_sessions_sqs import (
     MAX_RECEIVE_COUNT,
     VISIBILITY,

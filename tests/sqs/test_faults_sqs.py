@@ -2,7 +2,7 @@
 
 Each test sends messages over a few hot entities (plus one poison message) to a fresh queue,
 runs real `dedupworker run --transport sqs --drain` processes with the checker's handler
-(`dedupworker.checking:CheckedHandler`, or a variant that also records every delivery),
+(`dedupworker.testing.checking:CheckedHandler`, or a variant that also records every delivery),
 injects one kind of fault while they drain the queue, and asserts zero overlapping calls per
 entity, zero lost messages, zero double successes (the dedup ledger keys on the message's first
 MessageId, so a redelivered or re-sent message commits its effect once), nothing in the
@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking import Report, check, create_tables, overlapping_calls
+from dedupworker.testing.checking import Report, check, create_tables, overlapping_calls
 from dedupworker.transports.sqs.attributes import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import effects, scalar
@@ -47,7 +47,7 @@ ENTITIES = 5
 PROCESSES = 3
 VISIBILITY = 2  # seconds: a message whose worker stops extending it comes back soon
 MAX_RECEIVE_COUNT = 10
-CHECKED = "dedupworker.checking:CheckedHandler"
+CHECKED = "dedupworker.testing.checking:CheckedHandler"
 RECEIPTS_CHECKED = "tests.support.sqs_fault_handlers:ReceiptsChecked"
 POISON = "poison"
 KILLS = 3

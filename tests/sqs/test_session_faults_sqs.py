@@ -1,7 +1,7 @@
 """The session-lock engine over SQS while the database fails: lock sessions terminated, the
 workers' connections to PostgreSQL cut, PostgreSQL restarted (tests/support/db_faults.py).
 
-Two `--drain` workers with async or plain-function handlers (`dedupworker.checking`'s, as in
+Two `--drain` workers with async or plain-function handlers (`dedupworker.testing.checking`'s, as in
 the postgres fault suites) reach PostgreSQL through a relay; the independent checker, reading
 directly, finds no overlap, no loss and no effect applied twice, and both workers drain and
 exit 0.
@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking_sessions import create_session_tables
 from tests.sqs.test_sessions_sqs import Workers, send
 from tests.support.db_faults import DatabaseFaults
 from tests.support.proxy import Proxy
@@ -25,8 +25,8 @@ from tests.support.worker_processes import injecting
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
 HANDLERS = {
-    "async": "dedupworker.checking_sessions:SessionCheckedHandler",
-    "threads": "dedupworker.checking_sessions:SessionCheckedThreadHandler",
+    "async": "dedupworker.testing.checking_sessions:SessionCheckedHandler",
+    "threads": "dedupworker.testing.checking_sessions:SessionCheckedThreadHandler",
 }
 ENTITIES = 6
 

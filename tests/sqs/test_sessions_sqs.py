@@ -4,7 +4,8 @@ Real `dedupworker run --transport sqs --drain` processes run the session-scope h
 tests/support/session_handlers.py (`lock_scope = "session"`: no transaction during the call,
 its lock a session lock on one of the worker's lock sessions, its writes committed with the
 message's settlement, then SQS's delete, re-send or dead letter). The checker
-(`dedupworker.checking.check`) reads back what the calls recorded: zero overlapping calls per
+(`dedupworker.testing.checking.check`) reads back what the calls recorded: zero overlapping calls
+per
 entity, nothing lost, no effect committed twice. These runs have no fault, so every message must
 also be received, handled and deleted once: no duplicate outcome at all.
 """
@@ -22,8 +23,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.checking import Report, check, overlapping_calls
-from dedupworker.checking_sessions import create_session_tables
+from dedupworker.testing.checking import Report, check, overlapping_calls
+from dedupworker.testing.checking_sessions import create_session_tables
 from dedupworker.transports.sqs.attributes import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import scalar

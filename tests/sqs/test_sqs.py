@@ -24,7 +24,7 @@ import tenacity
 from prometheus_client import REGISTRY
 
 from dedupworker import ConfigurationError, Handler, Message, TransportError, WorkerConfig
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 from dedupworker.transports.sqs import SqsOptions
 from dedupworker.transports.sqs.attributes import REASON
 from dedupworker.transports.sqs.transport import SqsTransport

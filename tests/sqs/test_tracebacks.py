@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dedupworker.outcomes import TRACEBACK_CUT
+from dedupworker.decide.outcomes import TRACEBACK_CUT
 from dedupworker.transports.sqs.attributes import (
     MAX_MESSAGE_BYTES,
     REASON,

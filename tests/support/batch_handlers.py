@@ -26,7 +26,7 @@ import psycopg
 import tenacity
 
 from dedupworker import BatchHandler, Message, Reject, RetryLater
-from dedupworker.checking import BatchCheckedHandler
+from dedupworker.testing.checking import BatchCheckedHandler
 
 NAMESPACE = 64
 RETRY_LATER_DELAY = 0.3  # seconds

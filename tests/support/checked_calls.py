@@ -1,4 +1,5 @@
-"""Reading back what the checked handler (dedupworker.checking) recorded, for the fault suites."""
+"""Reading back what the checked handler (dedupworker.testing.checking) recorded, for the fault
+suites."""
 
 from __future__ import annotations
 

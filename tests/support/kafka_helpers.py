@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dedupworker import WorkerConfig
-from dedupworker.db import open_pool
-from dedupworker.runner import Runner
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.kafka import KafkaOptions
 from dedupworker.transports.kafka.transport import KafkaTransport
 from tests.support.kafka_handlers import RecordKeyed

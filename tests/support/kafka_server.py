@@ -20,7 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 
 # Heartbeats and session timeouts that keep a join or a rebalance near one second.
 FAST_GROUP = {"session.timeout.ms": "2000", "heartbeat.interval.ms": "300"}

@@ -22,9 +22,9 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 
 from dedupworker import Handler, Message
-from dedupworker.engine import Call
-from dedupworker.keys import LockKey
-from dedupworker.outcomes import Outcome, Verdict, carry_out
+from dedupworker.decide.keys import LockKey
+from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.engines.seams import Call
 from dedupworker.transport import Delivery
 
 INTRANS = int(TransactionStatus.INTRANS)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import psycopg
 
 from dedupworker import Handler, Message, Reject, RetryLater
-from dedupworker.sessions import AsyncCallConnection, CallConnection
+from dedupworker.engines.session import AsyncCallConnection, CallConnection
 
 NAMESPACE = 61
 

@@ -1,5 +1,5 @@
 """Session-scope handlers (`lock_scope = "session"`) for the SQS and Kafka session-lock tests,
-run by real `dedupworker run` processes and judged by `dedupworker.checking.check`.
+run by real `dedupworker run` processes and judged by `dedupworker.testing.checking.check`.
 
 They are the checker's own `SessionCheckedHandler` (async) and `SessionCheckedThreadHandler`
 (a plain function, run on a thread), which record each call's start, effect and end (see their
@@ -35,8 +35,8 @@ import psycopg
 import tenacity
 
 from dedupworker import Handler, Message, Outcome, Reject, RetryLater
-from dedupworker.checking_sessions import SessionCheckedHandler, SessionCheckedThreadHandler
-from dedupworker.sessions import AsyncCallConnection, CallConnection
+from dedupworker.engines.session import AsyncCallConnection, CallConnection
+from dedupworker.testing.checking_sessions import SessionCheckedHandler, SessionCheckedThreadHandler
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS session_gate (opened boolean NOT NULL);

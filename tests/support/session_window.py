@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker.checking import OVERLAPPING_CALLS
+from dedupworker.testing.checking import OVERLAPPING_CALLS
 
 _UNGUARDED = re.compile(r"message (\S+): cut off, its lock session lost;.*no guard held its key")
 

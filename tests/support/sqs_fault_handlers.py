@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from dedupworker import Message
-from dedupworker.checking import CheckedHandler
+from dedupworker.testing.checking import CheckedHandler
 
 RECEIPTS = """
 CREATE TABLE IF NOT EXISTS check_receipts (

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from dedupworker import Handler, WorkerConfig
-from dedupworker.db import open_pool
-from dedupworker.runner import Runner
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.sqs import SqsOptions
 from dedupworker.transports.sqs.transport import SqsTransport
 from tests.support.sqs_server import Queues, SqsServer

@@ -24,7 +24,7 @@ from typing import Any
 
 import boto3
 
-from dedupworker.embedded import free_port
+from dedupworker.dev.embedded import free_port
 
 KINDS = ("ministack", "moto")
 _names = itertools.count()

@@ -36,7 +36,7 @@ def cli_help(*args: str) -> str:
 def metric_names() -> list[str]:
     from prometheus_client import REGISTRY
 
-    import dedupworker.metrics  # noqa: F401  (registers them)
+    import dedupworker.observe.metrics  # noqa: F401  (registers them)
 
     return sorted(
         {metric.name for metric in REGISTRY.collect() if metric.name.startswith("dedupworker")}
@@ -45,7 +45,7 @@ def metric_names() -> list[str]:
 
 def surface() -> dict[str, Any]:
     import dedupworker
-    from dedupworker.schema import MIGRATIONS
+    from dedupworker.db.schema import MIGRATIONS
 
     return {
         "all": sorted(dedupworker.__all__),

@@ -9,8 +9,10 @@ import re
 import sys
 import tomllib
 
-from dedupworker import WorkerConfig, metrics, worker
-from dedupworker.cli import build_parser
+from dedupworker import WorkerConfig
+from dedupworker.observe import metrics
+from dedupworker.ops.cli.main import build_parser
+from dedupworker.process import worker
 from tests.conftest import ROOT
 
 

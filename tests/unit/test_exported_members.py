@@ -13,7 +13,7 @@ def test_all_is_sorted_and_complete() -> None:
 
 def test_the_core_never_imports_optional_transports() -> None:
     code = (
-        "import sys, dedupworker, dedupworker.cli, dedupworker.worker;"
+        "import sys, dedupworker, dedupworker.ops.cli.main, dedupworker.process.worker;"
         "import dedupworker.transports.postgres;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'confluent_kafka')))"
     )

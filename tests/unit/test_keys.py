@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dedupworker.keys import (
+from dedupworker.decide.keys import (
     INT4_MAX,
     INT4_MIN,
     InvalidEntity,

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from dedupworker.outage import REPORT_EVERY, Outage, PoolLog
+from dedupworker.observe.outage import REPORT_EVERY, Outage, PoolLog
 
 
 class Clock:

@@ -4,7 +4,7 @@ import pytest
 import tenacity
 
 from dedupworker import Handler, Message, Reject, RetryLater
-from dedupworker.outcomes import Outcome, on_bad_entity, on_contended, on_failure
+from dedupworker.decide.outcomes import Outcome, on_bad_entity, on_contended, on_failure
 from dedupworker.transport import Delivery
 
 

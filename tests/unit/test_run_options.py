@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dedupworker import ConfigurationError, WorkerConfig
-from dedupworker.cli import _config, build_parser
+from dedupworker.ops.cli.main import _config, build_parser
 from dedupworker.transports import TRANSPORTS, options_class, settings_of
 from dedupworker.transports.kafka import KafkaOptions
 from dedupworker.transports.postgres.options import PostgresOptions
@@ -139,8 +139,8 @@ def test_options_of_another_transport_are_refused_by_the_config() -> None:
 
 def test_the_options_and_the_parser_load_without_the_transports_extras() -> None:
     code = (
-        "import sys, dedupworker.cli, dedupworker.transports as t;"
-        "dedupworker.cli.build_parser();"
+        "import sys, dedupworker.ops.cli.main, dedupworker.transports as t;"
+        "dedupworker.ops.cli.main.build_parser();"
         "[t.options_class(name) for name in t.TRANSPORTS];"
         "import dedupworker.transports.sqs, dedupworker.transports.kafka;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'confluent_kafka')))"

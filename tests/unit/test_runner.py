@@ -18,9 +18,9 @@ import tenacity
 from psycopg.pq import TransactionStatus
 
 from dedupworker import Handler, Message, Reject, RetryLater
-from dedupworker.keys import lock_key
-from dedupworker.outcomes import Outcome
-from dedupworker.runner import Runner
+from dedupworker.decide.keys import lock_key
+from dedupworker.decide.outcomes import Outcome
+from dedupworker.engines.transaction.engine import Runner
 from tests.support.memory import FakeConnection, MemoryTransactions, MemoryTransport
 
 NAMESPACE = 40

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from dedupworker import ConfigurationError, Handler, Message
+from dedupworker.decide.keys import SessionKey, lock_key, session_key
+from dedupworker.engines.session.statements import Resolved, Settlement, transaction
 from dedupworker.handler import validate_handler
-from dedupworker.keys import SessionKey, lock_key, session_key
-from dedupworker.sessions.statements import Resolved, Settlement, transaction
 
 
 class Entity(Handler):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dedupworker.outcomes import TRACEBACK_CUT, bound_text, format_traceback
+from dedupworker.decide.outcomes import TRACEBACK_CUT, bound_text, format_traceback
 
 
 def test_bound_text_keeps_the_innermost_end_from_a_line_start_and_marks_the_cut() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from dedupworker.turns import LocalTurns
+from dedupworker.decide.turns import LocalTurns
 
 
 def test_one_thread_waits_for_the_running_one_and_a_third_is_turned_away() -> None:

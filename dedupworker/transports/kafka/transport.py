@@ -34,10 +34,10 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from dedupworker import metrics
 from dedupworker.config import WorkerConfig
 from dedupworker.errors import TransportError
 from dedupworker.message import Message
+from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, Settlements
 from dedupworker.transports.kafka.buffer import _Buffer
 from dedupworker.transports.kafka.client import (

@@ -12,19 +12,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from dedupworker import metrics, sql
 from dedupworker.config import WorkerConfig
-from dedupworker.db import connection_kwargs
-from dedupworker.keys import KeyMode, normalize_entity
+from dedupworker.db import sql
+from dedupworker.db.connect import connection_kwargs
+from dedupworker.db.wire import Executor, Rows
+from dedupworker.decide.keys import KeyMode, normalize_entity
 from dedupworker.message import Message
+from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, Settlements
-from dedupworker.transports.postgres.claims import ClaimedTransactions
-from dedupworker.wire import Executor, Rows
+from dedupworker.transports.postgres.transaction import ClaimedTransactions
 
 if TYPE_CHECKING:
-    from dedupworker.batches import BatchSource
+    from dedupworker.engines.batch.source import BatchSource
+    from dedupworker.engines.session.source import Source
     from dedupworker.handler import BatchHandler, Handler
-    from dedupworker.sessions.sources import Source
 
 log = logging.getLogger("dedupworker")
 
@@ -66,7 +67,7 @@ class PostgresTransport:
     def session_claims(self) -> Source:
         """Jobs claimed by session locks, for the session-lock engine
         (transport.ClaimsOnSessions)."""
-        from dedupworker.transports.postgres.sessions import (
+        from dedupworker.transports.postgres.session import (
             SessionClaims,  # it builds Jobs: imported once this module is
         )
 
@@ -77,7 +78,7 @@ class PostgresTransport:
     ) -> BatchSource:
         """Jobs claimed many at a time by `threads` handler threads, for the batch engine
         (transport.ClaimsBatches)."""
-        from dedupworker.transports.postgres.batches import ClaimedBatches
+        from dedupworker.transports.postgres.batch import ClaimedBatches
 
         return ClaimedBatches(self, handler, pool, threads)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dedupworker.outcomes import bound_text
+from dedupworker.decide.outcomes import bound_text
 from dedupworker.transports.sqs.state import STATE
 
 REASON = "dedupworker-reason"  # on dead-lettered messages

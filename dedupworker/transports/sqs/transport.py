@@ -21,10 +21,10 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from dedupworker import metrics
 from dedupworker.config import WorkerConfig
 from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
+from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, Settlements
 from dedupworker.transports.sqs.attributes import (
     MAX_ATTRIBUTES,

@@ -1,0 +1,203 @@
+"""Versioned schema migrations, serialized by a blocking advisory lock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from dedupworker.errors import SchemaMissing
+
+# dedupworker's own advisory-lock namespace ("ddwk"); keep handler namespaces clear of it.
+INTERNAL_NAMESPACE = 0x6464776B
+MIGRATION_LOCK_KEY = 1
+
+_JOBS = """
+CREATE TABLE dedupworker.jobs (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue       text        NOT NULL,
+    body        bytea       NOT NULL,
+    headers     jsonb       NOT NULL DEFAULT '{}',
+    status      text        NOT NULL DEFAULT 'ready' CHECK (status IN ('ready', 'dead')),
+    attempts    integer     NOT NULL DEFAULT 0,
+    contentions integer     NOT NULL DEFAULT 0,
+    run_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_error  text,
+    dead_at     timestamptz
+);
+CREATE INDEX jobs_ready_idx ON dedupworker.jobs (queue, run_at, id) WHERE status = 'ready';
+CREATE INDEX jobs_dead_idx ON dedupworker.jobs (queue, dead_at) WHERE status = 'dead';
+COMMENT ON COLUMN dedupworker.jobs.attempts IS 'failed attempts so far (contention excluded)';
+"""
+
+_LEDGER = """
+CREATE TABLE dedupworker.processed (
+    scope        text        NOT NULL,
+    key          text        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (scope, key)
+);
+CREATE INDEX processed_at_idx ON dedupworker.processed (processed_at);
+CREATE TABLE dedupworker.singleton_runs (
+    name        text        NOT NULL,
+    tick        bigint      NOT NULL,
+    finished_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    worker      text        NOT NULL,
+    PRIMARY KEY (name, tick)
+);
+CREATE INDEX singleton_runs_finished_idx ON dedupworker.singleton_runs (finished_at);
+"""
+
+# Webhook delivery (dedupworker/webhooks/, docs/webhooks.md). Its own schema: an optional
+# feature whose tables can be dropped together.
+_WEBHOOKS = """
+CREATE SCHEMA dedupworker_webhooks;
+CREATE TABLE dedupworker_webhooks.endpoints (
+    id              text        PRIMARY KEY,
+    url             text        NOT NULL,
+    secrets         text[]      NOT NULL CHECK (cardinality(secrets) > 0),
+    disabled_at     timestamptz,
+    disabled_reason text,
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+COMMENT ON COLUMN dedupworker_webhooks.endpoints.secrets IS
+    'whsec_ secrets; every one signs each request (rotation), the first is the newest';
+CREATE TABLE dedupworker_webhooks.attempts (
+    id              bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    delivery_id     text        NOT NULL,
+    endpoint_id     text        NOT NULL,
+    message_id      text        NOT NULL,
+    attempt         integer     NOT NULL,
+    outcome         text        NOT NULL,
+    status_code     integer,
+    latency_seconds float8      NOT NULL,
+    response_body   text,
+    error           text,
+    attempted_at    timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX attempts_delivery_idx ON dedupworker_webhooks.attempts (delivery_id, id);
+CREATE INDEX attempts_endpoint_idx ON dedupworker_webhooks.attempts (endpoint_id, attempted_at);
+CREATE INDEX attempts_at_idx ON dedupworker_webhooks.attempts (attempted_at);
+-- Ordering per endpoint: "is an earlier delivery for this endpoint pending?" under the lock.
+CREATE INDEX jobs_webhook_endpoint_idx ON dedupworker.jobs ((headers ->> 'webhook_endpoint'), id)
+    WHERE status = 'ready' AND headers ? 'webhook_endpoint';
+"""
+
+# What the operator console (dedupworker/ops/console/, docs/console.md) and the workers share:
+# paused queues (workers stop claiming from them), the audit of operators' actions, each
+# worker's heartbeat with its hot entities, and per-minute outcome counts per queue.
+_CONSOLE = """
+CREATE TABLE dedupworker.queue_pauses (
+    queue     text        PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    paused_by text        NOT NULL,
+    reason    text
+);
+CREATE TABLE dedupworker.audit (
+    id     bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    actor  text        NOT NULL,
+    action text        NOT NULL,
+    target text        NOT NULL,
+    count  integer     NOT NULL,
+    detail jsonb       NOT NULL DEFAULT '{}'
+);
+CREATE INDEX audit_at_idx ON dedupworker.audit (at);
+CREATE TABLE dedupworker.workers (
+    id         text        PRIMARY KEY,
+    host       text        NOT NULL,
+    pid        integer     NOT NULL,
+    handlers   text        NOT NULL,
+    transport  text        NOT NULL,
+    queues     text[]      NOT NULL,
+    started_at timestamptz NOT NULL,
+    seen_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    paused     text[]      NOT NULL DEFAULT '{}',
+    hot        jsonb       NOT NULL DEFAULT '[]'
+);
+COMMENT ON COLUMN dedupworker.workers.hot IS
+    'the worker''s most contended entities: [{"handler", "entity", "score"}], score decaying';
+CREATE INDEX workers_seen_idx ON dedupworker.workers (seen_at);
+CREATE TABLE dedupworker.throughput (
+    transport text        NOT NULL,
+    queue     text        NOT NULL,
+    minute    timestamptz NOT NULL,
+    outcome   text        NOT NULL,
+    count     bigint      NOT NULL,
+    PRIMARY KEY (transport, queue, minute, outcome)
+);
+CREATE INDEX throughput_minute_idx ON dedupworker.throughput (minute);
+CREATE INDEX jobs_dead_entity_idx ON dedupworker.jobs (entity) WHERE status = 'dead';
+"""
+
+# Append only: a released version's migration never changes (see docs/migrations.md).
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (1, "jobs table", _JOBS),
+    (2, "dedup ledger and singleton runs", _LEDGER),
+    (
+        3,
+        "first contention time",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN contended_since timestamptz",
+    ),
+    (4, "webhook endpoints and delivery attempts", _WEBHOOKS),
+    (
+        5,
+        "entity given at enqueue",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN entity jsonb;"
+        " COMMENT ON COLUMN dedupworker.jobs.entity IS"
+        " 'the entity id given at enqueue (int or text): workers lock it with the claim'",
+    ),
+    (
+        6,
+        "traceback of dead jobs",
+        "ALTER TABLE dedupworker.jobs ADD COLUMN last_traceback text;"
+        " COMMENT ON COLUMN dedupworker.jobs.last_traceback IS"
+        " 'the bounded traceback of what raised when the job was dead-lettered (NULL: none)'",
+    ),
+    (7, "queue pauses, audit, worker heartbeats, throughput", _CONSOLE),
+)
+
+
+def migrate(conn: psycopg.Connection[Any]) -> list[int]:
+    """Apply pending migrations in one transaction; concurrent runs wait for each other."""
+    with conn.transaction():
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, %s)", (INTERNAL_NAMESPACE, MIGRATION_LOCK_KEY)
+        )
+        conn.execute("CREATE SCHEMA IF NOT EXISTS dedupworker")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS dedupworker.schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+        rows = conn.execute("SELECT version FROM dedupworker.schema_migrations").fetchall()
+        applied = {row[0] for row in rows}
+        done = []
+        for version, name, statements in MIGRATIONS:
+            if version in applied:
+                continue
+            conn.execute(statements.encode())
+            conn.execute(
+                "INSERT INTO dedupworker.schema_migrations (version, name) VALUES (%s, %s)",
+                (version, name),
+            )
+            done.append(version)
+    return done
+
+
+def check_schema(conn: psycopg.Connection[Any]) -> None:
+    """Fail early, and say how to fix it, when the schema is missing or older than this code."""
+    needed = MIGRATIONS[-1][0]
+    row = conn.execute("SELECT to_regclass('dedupworker.schema_migrations') IS NOT NULL").fetchone()
+    if not (row and row[0]):
+        raise SchemaMissing()
+    row = conn.execute(
+        "SELECT coalesce(max(version), 0) FROM dedupworker.schema_migrations"
+    ).fetchone()
+    version = row[0] if row else 0
+    if version < needed:
+        raise SchemaMissing(
+            f"the dedupworker schema is at version {version} and this version needs {needed}: "
+            "run `dedupworker migrate --dsn ...` (see docs/migrations.md for the upgrade order)"
+        )

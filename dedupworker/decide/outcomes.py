@@ -1,0 +1,217 @@
+"""The one place that decides what happens to a message, and how a transport carries it out."""
+
+from __future__ import annotations
+
+import enum
+import re
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from dedupworker.decide.keys import normalize_entity
+from dedupworker.errors import Reject, RetryLater
+from dedupworker.transport import Settlements, settles_many
+
+if TYPE_CHECKING:
+    from dedupworker.db.wire import Executor
+    from dedupworker.handler import Handler
+    from dedupworker.transport import Delivery, Transport
+
+
+class Policy(Protocol):
+    """What the decisions read of a handler (`dedupworker.Handler` is one)."""
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    @property
+    def contention_budget(self) -> int | None: ...
+
+    def retry_delay(self, attempt: int) -> float: ...
+
+    def contention_delay(self, contentions: int) -> float: ...
+
+
+class Outcome(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    CONTENDED = "contended"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    delay: float = 0.0
+    reason: str = ""
+    # On success: the dedup key to record in the ledger, in the same transaction.
+    record: str | None = None
+    # What handle() or entity_id() raised, kept for its traceback (logs, dead letters); only
+    # formatted when used. None for deliberate outcomes (Reject, contention).
+    error: BaseException | None = None
+
+
+SUCCEEDED = Verdict(Outcome.SUCCEEDED)
+DUPLICATE = Verdict(Outcome.DUPLICATE)
+
+# UTF-8 bytes of traceback kept with a dead letter: deep enough for the frames that matter.
+TRACEBACK_LIMIT = 8192
+TRACEBACK_CUT = "[... start of the traceback cut ...]\n"
+# What SQS attribute values, PostgreSQL text or UTF-8 refuse (an error message may carry any
+# of it): kept escaped, so that storing the traceback never fails the dead letter.
+_UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def on_success(dedup_key: str | None) -> Verdict:
+    return SUCCEEDED if dedup_key is None else Verdict(Outcome.SUCCEEDED, record=dedup_key)
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def format_traceback(exc: BaseException | None, limit: int = TRACEBACK_LIMIT) -> str:
+    """`exc`'s traceback as text within `limit` UTF-8 bytes ('' for None), see bound_text."""
+    if exc is None:
+        return ""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    return bound_text(_UNSAFE.sub(lambda found: ascii(found.group())[1:-1], text), limit)
+
+
+def bound_text(text: str, limit: int) -> str:
+    """`text` within `limit` UTF-8 bytes: its end is kept (a traceback's innermost frames and
+    the error), from a line start, after TRACEBACK_CUT; '' if not even the mark fits."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    room = limit - len(TRACEBACK_CUT.encode())
+    if room <= 0:
+        return ""
+    start = len(data) - room
+    tail = data[start:].decode("utf-8", "ignore")
+    if data[start - 1 : start] != b"\n":
+        tail = tail[tail.find("\n") + 1 :]  # from the next whole line, if there is one
+    return TRACEBACK_CUT + tail
+
+
+def on_bad_entity(exc: Exception) -> Verdict:
+    """entity_id() raised or returned something unusable: the body is malformed."""
+    return Verdict(
+        Outcome.DEAD_LETTERED,
+        reason=f"entity_id() failed, the message is malformed: {describe_error(exc)}",
+        error=exc,
+    )
+
+
+def identify(handler: Handler, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
+    """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`) and
+    its ledger key, or, when `entity_id()` or `dedup_key()` raised or gave something unusable,
+    its verdict: every engine's first step."""
+    message = delivery.message
+    try:
+        entity = normalize_entity(handler.entity_id(message))
+        delivery.entity = entity
+        return entity, handler.dedup_key(message)
+    except Exception as exc:
+        return on_bad_entity(exc)
+
+
+def on_contended(handler: Policy, delivery: Delivery) -> Verdict:
+    """Another worker holds the entity: wait and try again, apart from max_attempts."""
+    contentions = delivery.contentions + 1
+    budget = handler.contention_budget
+    if budget is not None and contentions > budget:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"entity stayed locked through {budget} tries (contention_budget); "
+            "find the holder with `dedupworker locks`",
+        )
+    return Verdict(Outcome.CONTENDED, delay=handler.contention_delay(contentions))
+
+
+def on_failure(handler: Policy, delivery: Delivery, exc: Exception) -> Verdict:
+    """handle() raised: rejected messages die now, others retry until max_attempts."""
+    attempt = delivery.message.attempt
+    if isinstance(exc, Reject):
+        return Verdict(Outcome.DEAD_LETTERED, reason=f"rejected: {exc.reason}")
+    reason = exc.reason if isinstance(exc, RetryLater) else describe_error(exc)
+    if attempt >= handler.max_attempts:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"failed {attempt} of max_attempts={handler.max_attempts}: {reason}",
+            error=exc,
+        )
+    delay = exc.delay if isinstance(exc, RetryLater) and exc.delay is not None else None
+    if delay is None:
+        delay = handler.retry_delay(attempt)
+    return Verdict(Outcome.RETRIED, delay=delay, reason=reason, error=exc)
+
+
+def carry_out(
+    transport: Transport,
+    delivery: Delivery,
+    verdict: Verdict,
+    conn: Executor | None,
+) -> None:
+    """Hand the verdict to the transport's ack / requeue / dead-letter (with the bounded
+    traceback of what raised, if anything did)."""
+    match verdict.outcome:
+        case Outcome.SUCCEEDED | Outcome.DUPLICATE:
+            transport.ack(delivery, conn)
+        case Outcome.CONTENDED:
+            transport.requeue(delivery, verdict.delay, conn, contended=True)
+        case Outcome.RETRIED:
+            transport.requeue(delivery, verdict.delay, conn, contended=False, error=verdict.reason)
+        case Outcome.DEAD_LETTERED:
+            trace = format_traceback(verdict.error)
+            transport.dead_letter(delivery, verdict.reason, conn, traceback=trace)
+
+
+def _carry_out_each(
+    transport: Transport,
+    deliveries: list[Delivery],
+    verdicts: list[Verdict],
+    conn: Executor | None,
+) -> None:
+    failed: Exception | None = None
+    for delivery, verdict in zip(deliveries, verdicts, strict=True):
+        try:
+            carry_out(transport, delivery, verdict, conn)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+def carry_out_many(
+    transport: Transport,
+    deliveries: list[Delivery],
+    verdicts: list[Verdict],
+    conn: Executor | None,
+) -> None:
+    """A batch's verdicts, carried out together by a transport that can (`SettlesMany`: one
+    statement per outcome), or one by one (`carry_out`): each message's, whatever an earlier
+    one's raised (the first error is raised once all were carried out; the message it failed is
+    its transport's to keep, as after a per-message call)."""
+    many = settles_many(transport)
+    if many is None:
+        _carry_out_each(transport, deliveries, verdicts, conn)
+        return
+    settlements = Settlements([], [], [], [])
+    if verdicts.count(SUCCEEDED) == len(verdicts):
+        settlements.acks = deliveries  # the common batch
+        verdicts = []
+    for delivery, verdict in zip(deliveries, verdicts, strict=len(verdicts) > 0):
+        match verdict.outcome:
+            case Outcome.SUCCEEDED | Outcome.DUPLICATE:
+                settlements.acks.append(delivery)
+            case Outcome.CONTENDED:
+                settlements.contended.append((delivery, verdict.delay))
+            case Outcome.RETRIED:
+                settlements.retried.append((delivery, verdict.delay, verdict.reason))
+            case Outcome.DEAD_LETTERED:
+                trace = format_traceback(verdict.error)
+                settlements.dead.append((delivery, verdict.reason, trace))
+    many.settle_many(settlements, conn)

@@ -1,0 +1,241 @@
+"""Where the batch engine's batches come from, and how their transactions open and close.
+
+    BatchSource          start (take up to n messages, open the transaction), lock, settle,
+    │                    abandon, release
+    ├── ReceivedBatches  messages handed over (SQS, Kafka): BEGIN with the locks, COMMIT, then
+    │                    the transport carries each outcome out
+    └── ClaimedBatches   the postgres queue (transports/postgres/batch.py): the claim is in
+                         the transaction, the settlement too, in set-based statements
+
+The statements every source sends around a batch's call (the locks of all its entities, the
+savepoint, the ledger look-up, the ledger record) are built here, once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg_pool import ConnectionPool
+
+from dedupworker.db import sql
+from dedupworker.db.connect import give_back_broken
+from dedupworker.db.wire import Batch, Result
+from dedupworker.decide.outcomes import Verdict, carry_out_many
+from dedupworker.transport import Delivery, Receives, ReceivesMany
+
+if TYPE_CHECKING:
+    from dedupworker.handler import BatchHandler
+
+SAVEPOINT = "SAVEPOINT dedupworker_batch"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_batch"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_batch"
+_OPEN = (int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR))
+# Seconds before a message whose batch's database call failed is offered again.
+GIVE_BACK_DELAY = 1.0
+RECEIVE_MAX = 10  # what one SQS receive returns at most
+
+
+class BatchCall:
+    """One batch on its way through the engine, with the connection its transaction is on."""
+
+    __slots__ = (
+        "chain",
+        "conn",
+        "dedup",
+        "deliveries",
+        "ended",
+        "entities",
+        "savepoint",
+        "verdicts",
+    )
+
+    def __init__(self, deliveries: list[Delivery], conn: psycopg.Connection[Any]) -> None:
+        self.deliveries = deliveries
+        self.conn: psycopg.Connection[Any] | None = conn  # None once given back
+        # Per message, in order: its entity once computed, and its verdict once decided.
+        self.entities: list[int | str | None] = [None] * len(deliveries)
+        self.verdicts: list[Verdict | None] = [None] * len(deliveries)
+        self.dedup: list[str | None] = [None] * len(deliveries)  # ledger keys
+        # The handler's savepoint: None (not open), "clean" (open, nothing in it yet), "kept"
+        # (open, holding the writes of calls that succeeded).
+        self.savepoint: str | None = None
+        self.chain = 0  # batches claimed ahead on this connection before this one
+        # What a call raised after it ended the batch's transaction itself (commit or
+        # rollback): no savepoint is left to fall back to, nothing more is called.
+        self.ended: Exception | None = None
+
+    def decided(self) -> list[Verdict]:
+        """Every message's verdict, once the engine decided them all."""
+        verdicts = [v for v in self.verdicts if v is not None]
+        assert len(verdicts) == len(self.deliveries), "a message of the batch has no verdict"
+        return verdicts
+
+
+class Keys:
+    """A batch's distinct entities that are still to lock, as the lock statement takes them
+    (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes), each with the
+    ordinal (from 1) of its entity's group; and how many entities taking the messages locked."""
+
+    __slots__ = ("numbers", "ordinals", "prelocked", "texts")
+
+    def __init__(self) -> None:
+        self.numbers: list[int | None] = []
+        self.texts: list[str | None] = []
+        self.ordinals: list[int] = []
+        self.prelocked = 0
+
+
+class BatchSource(Protocol):
+    """How a batch's transaction opens and closes around the handler's call."""
+
+    def start(self, size: int) -> BatchCall | None:
+        """Up to `size` messages with a connection, their transaction opened as far as the
+        source opens it (None: nothing ready)."""
+
+    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+        """Whether taking the message already locked `entity` (the postgres claim locks the
+        entity given at enqueue)."""
+
+    def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
+        """Lock the keys that taking the messages did not lock, open the handler's savepoint
+        after them and look the dedup keys up, in one round trip (none if nothing is needed):
+        the ordinals (from 1) of the keys held elsewhere, and the ledger keys seen."""
+
+    def settle(self, call: BatchCall, ahead: bool = False) -> None:
+        """Record the succeeded messages' keys, carry every verdict out, end the transaction
+        and give the connection back; with `ahead`, a source that can may claim this thread's
+        next batch in the same round trip."""
+
+    def abandon(self, call: BatchCall) -> None:
+        """The database failed mid-batch: roll back, give the connection back, and give the
+        messages back to their source if they would otherwise wait."""
+
+    def release(self) -> None:
+        """This thread stops."""
+
+
+class Statements:
+    """The statements around a batch's call that are the same for every source."""
+
+    def __init__(self, handler: BatchHandler) -> None:
+        self.namespace = handler.lock_namespace
+        self.mode = handler.lock_key_mode
+        self.scope = handler.ledger_scope
+        self.timeout = handler.timeout_setting
+
+    def lock(
+        self, batch: Batch, call: BatchCall, keys: Keys, dedup_keys: list[str]
+    ) -> tuple[Result | None, Result | None]:
+        """Queue the locks (if any), the handler's savepoint after them (a savepoint rolled
+        back releases the locks taken inside it) and the ledger look-up (if any)."""
+        refused = None
+        if keys.texts:
+            if call.savepoint is not None:
+                batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
+            ns = self.namespace
+            if self.mode == "hash64":
+                refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
+            else:
+                params = (keys.numbers, keys.texts, ns, ns)
+                refused = batch.execute(sql.BATCH_LOCK["int4"], params)
+            call.savepoint = None
+        if call.savepoint is None:
+            batch.execute(SAVEPOINT)
+            call.savepoint = "clean"
+        seen = batch.execute(sql.BATCH_SEEN, (dedup_keys, self.scope)) if dedup_keys else None
+        return refused, seen
+
+    def end(self, batch: Batch, call: BatchCall) -> None:
+        """Queue what ends a batch before its settlement: the savepoint released (what the
+        calls that succeeded wrote is kept), the ledger record of the messages that succeeded."""
+        conn = call.conn
+        assert conn is not None
+        if call.savepoint is not None and conn.pgconn.transaction_status in _OPEN:
+            batch.execute(RELEASE_SAVEPOINT)
+            call.savepoint = None
+        records = [v.record for v in call.verdicts if v is not None and v.record is not None]
+        if records:
+            batch.execute(sql.BATCH_RECORD, (self.scope, records))
+
+
+def locked(refused: Result | None, seen: Result | None) -> tuple[set[int], set[str]]:
+    """What `Statements.lock`'s results say, once its batch ran."""
+    held = set() if refused is None else {row[0] for row in refused.fetchall()}
+    return held, set() if seen is None else {row[0] for row in seen.fetchall()}
+
+
+class ReceivedBatches:
+    """`BatchSource` for transports that hand messages over (SQS, Kafka): the messages are
+    received first; BEGIN rides the locks' round trip; after COMMIT the transport carries each
+    message's outcome out (a crash between the two redelivers messages whose effects committed,
+    which the ledger acknowledges as duplicates)."""
+
+    def __init__(self, transport: Receives, handler: BatchHandler, pool: ConnectionPool[Any]):
+        self.transport = transport
+        self.many = transport if isinstance(transport, ReceivesMany) else None
+        self.pool = pool
+        self.statements = Statements(handler)
+
+    def start(self, size: int) -> BatchCall | None:
+        deliveries = self._receive(size)
+        return BatchCall(deliveries, self.pool.getconn()) if deliveries else None
+
+    def _receive(self, size: int) -> list[Delivery]:
+        many = self.many
+        if many is not None:
+            taken = many.receive_many(size)
+            # More while receives come back full, without a long poll: never wait for a
+            # fuller batch with messages in hand.
+            more = taken
+            while len(more) >= RECEIVE_MAX and len(taken) < size:
+                more = many.receive_many(size - len(taken), wait=False)
+                taken += more
+            return taken
+        received = []
+        for _ in itertools.repeat(None, size):
+            delivery = self.transport.receive(None)
+            if delivery is None:
+                break
+            received.append(delivery)
+        return received
+
+    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+        return False  # receiving took no lock
+
+    def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
+        assert call.conn is not None
+        batch = Batch(call.conn)
+        batch.execute("BEGIN")
+        if self.statements.timeout is not None:
+            timeout = self.statements.timeout
+            batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
+        refused, seen = self.statements.lock(batch, call, keys, dedup_keys)
+        batch.run()
+        return locked(refused, seen)
+
+    def settle(self, call: BatchCall, ahead: bool = False) -> None:
+        conn = call.conn
+        assert conn is not None
+        end = Batch(conn)
+        if conn.pgconn.transaction_status in _OPEN:
+            self.statements.end(end, call)
+            end.execute("COMMIT")
+            end.run()
+        call.conn = None
+        self.pool.putconn(conn)
+        verdicts = call.decided()
+        carry_out_many(self.transport, call.deliveries, verdicts, None)
+
+    def abandon(self, call: BatchCall) -> None:
+        if call.conn is None:
+            return  # committed: the transport's own settling failed, the messages are its own
+        give_back_broken(self.pool, call.conn)
+        call.conn = None
+        for delivery in call.deliveries:
+            self.transport.requeue(delivery, GIVE_BACK_DELAY, None, contended=True)
+
+    def release(self) -> None:
+        return None

@@ -1,0 +1,153 @@
+"""What every engine records of a call's outcome: metrics, counts, hot entities and the log line."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from dedupworker.decide.outcomes import SUCCEEDED, Outcome, Verdict
+from dedupworker.engines.seams import Call
+from dedupworker.observe import metrics
+from dedupworker.observe.hot import HotEntities
+
+if TYPE_CHECKING:
+    from dedupworker.engines.batch.source import BatchCall
+    from dedupworker.handler import Handler
+
+log = logging.getLogger("dedupworker")
+
+_VALUES = {outcome: outcome.value for outcome in Outcome}  # without enum's property per call
+_LOG_LEVELS = {Outcome.DEAD_LETTERED: logging.WARNING, Outcome.RETRIED: logging.INFO}
+
+
+class Recorder:
+    """One handler's outcomes over one transport, recorded from every handler thread."""
+
+    def __init__(self, handler: Handler, transport: str, observe: bool) -> None:
+        self.handler = handler
+        self.transport = transport
+        # Prometheus recording costs per message; skipped when nothing serves /metrics.
+        self.observe = observe
+        self.hot = HotEntities()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()  # guards stats
+        self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
+        self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
+        self._batch_size = metrics.BATCH_SIZE.labels(handler.name)
+        self._counted = {
+            outcome: (
+                metrics.MESSAGES.labels(handler.name, transport, outcome.value),
+                metrics.HANDLER_DURATION.labels(handler.name, outcome.value),
+            )
+            for outcome in Outcome
+        }
+
+    def started(self, messages: int = 1) -> float:
+        """A call begins: counted in flight; returns its start for `record`."""
+        if self.observe:
+            self._in_flight.inc(messages)
+        return time.perf_counter()
+
+    def ended(self, messages: int = 1) -> None:
+        if self.observe:
+            self._in_flight.dec(messages)
+
+    def record(self, call: Call, verdict: Verdict, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        if verdict.outcome is Outcome.CONTENDED:
+            self.hot.add(self.describe(call))
+        if self.observe:
+            self._observe(call, verdict, elapsed)
+        outcome = _VALUES[verdict.outcome]
+        with self.lock:
+            self.stats[outcome] += 1
+        level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
+        if log.isEnabledFor(level):
+            self._log(level, call, verdict, elapsed)
+
+    def record_batch(self, call: BatchCall, started: float) -> None:
+        """A batch's outcomes (the batch engine): counted per message, its duration observed
+        once per outcome it had, its size in dedupworker_batch_size."""
+        elapsed = time.perf_counter() - started
+        counts: collections.Counter[Outcome] = collections.Counter()
+        logging_all = log.isEnabledFor(logging.DEBUG)
+        verdicts = call.verdicts
+        if not logging_all and verdicts.count(SUCCEEDED) == len(verdicts):
+            counts[Outcome.SUCCEEDED] = len(verdicts)  # the common batch: nothing to log
+            verdicts = []
+        for i, verdict in enumerate(verdicts):
+            assert verdict is not None
+            outcome = verdict.outcome
+            counts[outcome] += 1
+            if outcome is Outcome.SUCCEEDED or outcome is Outcome.DUPLICATE:
+                if not logging_all:
+                    continue
+            elif outcome is Outcome.CONTENDED:
+                self.hot.add(self.describe_entity(call.entities[i]))
+            level = _LOG_LEVELS.get(outcome, logging.DEBUG)
+            if log.isEnabledFor(level):
+                one = Call(call.deliveries[i], None)
+                one.entity = call.entities[i]
+                self._log(level, one, verdict, elapsed)
+        if self.observe:
+            self._observe_batch(call, counts, elapsed)
+        with self.lock:
+            for outcome, count in counts.items():
+                self.stats[_VALUES[outcome]] += count
+
+    def _observe_batch(
+        self, call: BatchCall, counts: collections.Counter[Outcome], elapsed: float
+    ) -> None:
+        self._batch_size.observe(len(call.deliveries))
+        for outcome, count in counts.items():
+            counter, histogram = self._counted[outcome]
+            counter.inc(count)
+            histogram.observe(elapsed)
+        now = time.time()
+        for delivery, verdict in zip(call.deliveries, call.verdicts, strict=True):
+            since = delivery.contended_since
+            if since is not None and verdict is not None and verdict.outcome is Outcome.SUCCEEDED:
+                self._lock_wait.observe(max(0.0, now - since))
+
+    def describe(self, call: Call) -> str:
+        """The message's entity as `namespace:key` (logs, hot entities), '' if unknown."""
+        return self.describe_entity(call.entity)
+
+    def describe_entity(self, entity: int | str | None) -> str:
+        return "" if entity is None else f"{self.handler.lock_namespace}:{entity}"
+
+    def _observe(self, call: Call, verdict: Verdict, elapsed: float) -> None:
+        counter, histogram = self._counted[verdict.outcome]
+        counter.inc()
+        histogram.observe(elapsed)
+        since = call.delivery.contended_since
+        if verdict.outcome is Outcome.SUCCEEDED and since is not None:
+            self._lock_wait.observe(max(0.0, time.time() - since))
+
+    def _log(self, level: int, call: Call, verdict: Verdict, elapsed: float) -> None:
+        error = verdict.error  # formatted by the log handler only: the dead letter's, or at DEBUG
+        if error is not None and level < logging.WARNING and not log.isEnabledFor(logging.DEBUG):
+            error = None
+        message, outcome = call.delivery.message, _VALUES[verdict.outcome]
+        log.log(
+            level,
+            "%s message %s (attempt %d): %s%s",
+            self.handler.name,
+            message.id,
+            message.attempt,
+            outcome,
+            f": {verdict.reason}" if verdict.reason else "",
+            exc_info=error,
+            extra={
+                "handler": self.handler.name,
+                "transport": self.transport,
+                "message_id": message.id,
+                "entity": self.describe(call),
+                "outcome": outcome,
+                "attempt": message.attempt,
+                "duration_seconds": round(elapsed, 6),
+            },
+        )

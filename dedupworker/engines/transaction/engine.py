@@ -1,0 +1,156 @@
+"""The per-message transaction engine: one message, one transaction, one pooled connection.
+
+`Runner.step` is the whole path of a message, top to bottom: start it (receive or claim, and
+open its transaction), decide (entity, local turn, lock and ledger look-up, the handler call,
+the verdict), settle (ledger record, COMMIT and the transport's ack / requeue / dead letter, in
+the order the source needs), and record. How the transaction opens and closes belongs to the
+message source (`Transactions`): `dedupworker.engines.transaction.source` for transports that hand
+messages over,
+the postgres queue's own (`transports/postgres/transaction.py`) where the claim is part of the
+transaction. The handler runs inside that transaction on the psycopg connection: its
+`conn.transaction()` blocks are nested savepoints and its statements join the transaction. See
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+
+from dedupworker.decide.keys import lock_key
+from dedupworker.decide.outcomes import (
+    DUPLICATE,
+    Verdict,
+    identify,
+    on_contended,
+    on_failure,
+    on_success,
+)
+from dedupworker.decide.turns import LocalTurns
+from dedupworker.engines.common import check_transaction
+from dedupworker.engines.recording import Recorder
+from dedupworker.engines.seams import Call, Transactions
+from dedupworker.engines.transaction.source import ReceivedTransactions
+from dedupworker.errors import ConfigurationError
+from dedupworker.handler import Handler
+from dedupworker.transport import OpensTransactions, Receives, Transport
+
+log = logging.getLogger("dedupworker")
+
+
+class Runner:
+    """Runs one handler over one transport; every call happens in its own locked transaction."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        transport: Transport,
+        pool: ConnectionPool[Any],
+        observe: bool = True,
+    ):
+        self.handler = handler
+        self.transport = transport
+        self.pool = pool
+        self.recorder = Recorder(handler, transport.name, observe)
+        self.hot = self.recorder.hot
+        self.turns = LocalTurns()
+        self.transactions = transactions_of(transport, handler, pool)
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        return self.recorder.stats
+
+    def step(self, ahead: bool = False) -> bool:
+        """Receive, decide, settle and record one message; False when nothing was ready.
+
+        With `ahead`, a message source that can (the postgres queue) claims this thread's next
+        message in the round trip of this one's COMMIT and keeps it for its next step (or
+        gives it back with `release`).
+        """
+        call = self.transactions.start()
+        if call is None:
+            return False
+        started = self.recorder.started()
+        try:
+            verdict = self._decide(call)
+            self.transactions.settle(call, verdict, ahead)
+        except BaseException:
+            self.transactions.abandon(call)
+            raise
+        finally:
+            self._end_turn(call)
+            self.recorder.ended()
+        self.recorder.record(call, verdict, started)
+        return True
+
+    def release(self) -> None:
+        """This thread stops: the message claimed ahead for it goes back at once."""
+        self.transactions.release()
+
+    def _decide(self, call: Call) -> Verdict:
+        """Entity, local turn, lock and ledger look-up, then the handler call: the verdict."""
+        handler, delivery = self.handler, call.delivery
+        found = identify(handler, delivery)
+        if isinstance(found, Verdict):
+            return found
+        entity, dedup_key = found
+        call.entity = entity
+        ours = self.transactions.prelocked(call, entity)
+        if ours is False:
+            # Locked elsewhere, as starting the message found: back to its source at once.
+            call.met_busy = True
+            return on_contended(handler, delivery)
+        key = None if ours else lock_key(handler.lock_namespace, entity, handler.lock_key_mode)
+        if key is not None and not self._take_turn(call, (key.sql, key.params)):
+            return on_contended(handler, delivery)
+        locked, seen = self.transactions.lock(call, key, dedup_key)
+        if not locked:
+            return on_contended(handler, delivery)
+        if seen:
+            return DUPLICATE
+        return self._call(call, dedup_key)
+
+    def _take_turn(self, call: Call, turn: tuple[str, tuple[int | str, ...]]) -> bool:
+        """The entity's turn among this process's threads (see dedupworker.decide.turns)."""
+        if self.turns.busy(turn):
+            call.met_busy = True
+        if not self.turns.take(turn, self.handler.local_wait):
+            return False
+        call.turn = turn
+        return True
+
+    def _end_turn(self, call: Call) -> None:
+        if call.turn is not None:
+            self.turns.give_back(call.turn)
+            call.turn = None
+
+    def _call(self, call: Call, dedup_key: str | None) -> Verdict:
+        """The handler, under the entity's lock, in the message's transaction."""
+        handler, message, conn = self.handler, call.delivery.message, call.conn
+        assert conn is not None
+        try:
+            if not handler.may_run(message, conn):
+                return on_contended(handler, call.delivery)
+            handler.handle(message, conn)
+            check_transaction(conn)
+        except Exception as exc:
+            if conn.broken or conn.closed:
+                raise
+            return on_failure(handler, call.delivery, exc)
+        return on_success(dedup_key)
+
+
+def transactions_of(
+    transport: Transport, handler: Handler, pool: ConnectionPool[Any]
+) -> Transactions:
+    """The source's own transactions (the postgres queue), or a received message's."""
+    if isinstance(transport, OpensTransactions):
+        return transport.transactions(handler, pool)
+    if isinstance(transport, Receives):
+        return ReceivedTransactions(transport, handler, pool)
+    raise ConfigurationError(
+        f"transport {transport.name!r} neither receives messages nor opens their transactions"
+    )

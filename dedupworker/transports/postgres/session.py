@@ -1,0 +1,129 @@
+"""The postgres queue in the session-lock engine: jobs claimed by session locks.
+
+A job is claimed by `pg_try_advisory_lock(sql.JOB_NAMESPACE, id)` on one of the engine's lock
+sessions (Que's way): no row lock and no transaction are held while its call runs, and when
+the worker dies its sessions end and its jobs are free at once, with no rescue timeout. Jobs
+are claimed many at a time (sql.SESSION_CLAIM), then read again in a snapshot taken after the
+locks (sql.SESSION_CLAIMED), so that a job settled by another worker just before is not run
+again. The settlement (delete, requeue, dead letter: `PostgresTransport`'s own statements)
+commits on the same session, before the job's lock is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from dedupworker.db import sql
+from dedupworker.decide.outcomes import Verdict, carry_out
+from dedupworker.engines.session.source import Statements
+from dedupworker.message import Message
+from dedupworker.transport import Delivery
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg_pool import AsyncConnectionPool
+
+    from dedupworker.engines.session.lock_session import LockSession
+    from dedupworker.transports.postgres.queue import PostgresTransport
+
+# Candidates read per claim, for each job wanted: some are held by other workers, some share
+# an entity.
+CANDIDATES_PER_JOB = 3
+CANDIDATES_MIN = 1000  # candidates read per claim at least: most may be of entities in hand
+CLAIM_MAX = 500  # jobs claimed in one statement
+PER_ENTITY = 2  # jobs in hand per entity given at enqueue: one running, the next one waiting
+
+
+async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> list[int]:
+    cursor = await conn.execute(sql.SESSION_CLAIM, (jobs,))
+    return [row[0] for row in await cursor.fetchall()]
+
+
+class SessionJob(NamedTuple):
+    """A job claimed by a session lock: its id, and its entity given at enqueue as JSON text."""
+
+    id: int
+    entity: str | None
+
+
+class SessionClaims:
+    """`dedupworker.engines.session.source.Source` for the postgres queue."""
+
+    claims_on_sessions = True
+
+    def __init__(self, queue: PostgresTransport) -> None:
+        self.queue = queue
+        self._held: set[int] = set()  # ids of the jobs in hand
+        self._entities: collections.Counter[str] = collections.Counter()  # theirs, given
+
+    async def take(
+        self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
+    ) -> list[Delivery]:
+        """Claim up to `count` jobs on `session`: read candidates and read the claimed jobs
+        on a pooled connection, lock them on the session (sql.SESSION_CANDIDATES)."""
+        assert session is not None
+        if self.queue.paused is not None:
+            return []
+        count = min(count, CLAIM_MAX)
+        full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
+        one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
+        limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
+        params = (self.queue.queue, list(self._held), full, limit, one)
+        async with reads.connection() as conn:
+            cursor = await conn.execute(sql.SESSION_CANDIDATES, params)
+            candidates = [row[0] for row in await cursor.fetchall()]
+        if not candidates:
+            return []
+        locked = await session.use(functools.partial(_lock_jobs, candidates))
+        if not locked:
+            return []
+        async with reads.connection() as conn:
+            rows = await (await conn.execute(sql.SESSION_CLAIMED, (locked,))).fetchall()
+        kept = rows[:count]
+        taken = {row[0] for row in kept}
+        spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra
+        if spare:
+            session.unlock(jobs=spare)
+        return [self._delivery(row) for row in kept]
+
+    def _delivery(self, row: tuple[Any, ...]) -> Delivery:
+        job_id, body, headers, attempts, contentions, contended_since, entity = row
+        message = Message(
+            id=str(job_id),
+            body=body,
+            headers={str(k): str(v) for k, v in headers.items()} if headers else {},
+            attempt=attempts + 1,
+            transport=self.queue.name,
+        )
+        self._held.add(job_id)
+        if entity is not None:
+            self._entities[entity] += 1
+        return Delivery(message, contentions, SessionJob(job_id, entity), contended_since)
+
+    def forget(self, delivery: Delivery) -> None:
+        job: SessionJob = delivery.receipt
+        self._held.discard(job.id)
+        if job.entity is not None:
+            self._entities[job.entity] -= 1
+            if self._entities[job.entity] <= 0:
+                del self._entities[job.entity]
+
+    def statements(self, delivery: Delivery, verdict: Verdict) -> list[tuple[Any, Any]]:
+        queued = Statements()
+        carry_out(self.queue, delivery, verdict, queued)
+        return queued.queued
+
+    def jobs(self, delivery: Delivery) -> list[int]:
+        return [delivery.receipt.id]
+
+    async def carry_out(self, delivery: Delivery, verdict: Verdict) -> None:
+        return None  # settled in the settlement's transaction
+
+    async def give_back(self, delivery: Delivery, session: LockSession | None) -> None:
+        if session is not None:
+            session.unlock(jobs=[delivery.receipt.id])  # a lost session gave it back already
+
+    def wait_for_work(self, stop: Any, timeout: float) -> None:
+        self.queue.wait_for_work(stop, timeout)
