@@ -5,14 +5,14 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     ├── Receives          receive: messages handed over, settled after the transaction (SQS, Kafka)
     │   └── ReceivesMany  receive_many: many at once, owned by no thread (SQS, Kafka: the
     │                     session-lock and batch engines)
-    ├── OpensTransactions transactions: the source opens each message's transaction (postgres)
-    ├── ClaimsOnSessions  session_claims: messages claimed by session locks (postgres, for the
-    │                     session-lock engine)
-    ├── ClaimsBatches     batch_claims: many messages claimed in one transaction (postgres, for
-    │                     the batch engine)
     ├── SettlesMany       settle_many: many outcomes carried out in set-based statements
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
+
+A source whose messages are rows of the database brings its own way to take them for each
+engine; those capabilities are named by the engine that asks for them, in its `source` module:
+`OpensTransactions` (engines/transaction/source.py), `ClaimsBatches` (engines/batch/source.py),
+`ClaimsOnSessions` (engines/session/source.py). This module names no engine.
 
 The transport carries outcomes out; it never decides them (dedupworker.decide.outcomes does).
 """
@@ -27,13 +27,7 @@ from dedupworker.message import Message
 if TYPE_CHECKING:
     import threading
 
-    from psycopg_pool import ConnectionPool
-
     from dedupworker.db.wire import Executor
-    from dedupworker.engines.batch.source import BatchSource
-    from dedupworker.engines.seams import Transactions
-    from dedupworker.engines.session.source import Source
-    from dedupworker.handler import BatchHandler, Handler
 
 
 @dataclass(slots=True)
@@ -102,33 +96,6 @@ class ReceivesMany(Protocol):
 
     def receive_many(self, count: int, wait: bool = True) -> list[Delivery]:
         """Up to `count` messages; `wait=False`: without waiting for more to arrive."""
-
-
-@runtime_checkable
-class OpensTransactions(Protocol):
-    """Messages that are rows of the database: the source opens each message's transaction
-    itself (the claim is part of it) and settles inside it (see
-    transports/postgres/transaction.py)."""
-
-    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...
-
-
-@runtime_checkable
-class ClaimsOnSessions(Protocol):
-    """Messages that are rows of the database, claimed for the session-lock engine by session
-    locks on its lock sessions (see transports/postgres/session.py)."""
-
-    def session_claims(self) -> Source: ...
-
-
-@runtime_checkable
-class ClaimsBatches(Protocol):
-    """Messages that are rows of the database, claimed for the batch engine many at a time in
-    the batch's transaction (see transports/postgres/batch.py)."""
-
-    def batch_claims(
-        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
-    ) -> BatchSource: ...
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from dedupworker.transport import Settlements, settles_many
 
 if TYPE_CHECKING:
     from dedupworker.db.wire import Executor
-    from dedupworker.handler import Handler
+    from dedupworker.message import Message
     from dedupworker.transport import Delivery, Transport
 
 
@@ -30,6 +30,14 @@ class Policy(Protocol):
     def retry_delay(self, attempt: int) -> float: ...
 
     def contention_delay(self, contentions: int) -> float: ...
+
+
+class Identifies(Protocol):
+    """What `identify` asks of a handler (`dedupworker.Handler` is one)."""
+
+    def entity_id(self, message: Message) -> int | str: ...
+
+    def dedup_key(self, message: Message) -> str | None: ...
 
 
 class Outcome(enum.StrEnum):
@@ -105,7 +113,7 @@ def on_bad_entity(exc: Exception) -> Verdict:
     )
 
 
-def identify(handler: Handler, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
+def identify(handler: Identifies, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
     """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`) and
     its ledger key, or, when `entity_id()` or `dedup_key()` raised or gave something unusable,
     its verdict: every engine's first step."""

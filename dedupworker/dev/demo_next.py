@@ -14,7 +14,7 @@ from dedupworker.db.connect import describe_dsn
 
 def print_next_steps(dsn: str | None) -> None:
     """Commands to try on the demo's database; `dsn` is None for the private one, gone by now."""
-    from dedupworker.dev.demo import QUEUE, DemoWebhook
+    from dedupworker.dev.demo_handler import QUEUE, DemoWebhook
 
     handler = f"{DemoWebhook.__module__}:{DemoWebhook.__name__}"
     print(f"""

@@ -14,10 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from dedupworker.dev.demo import FLAKY, QUEUE, SCHEMA, TIMEOUT_SECONDS, DemoWebhook, Plan, _scalar
+from dedupworker.dev.demo_handler import (
+    FLAKY,
+    QUEUE,
+    SCHEMA,
+    TIMEOUT_SECONDS,
+    DemoWebhook,
+    Plan,
+    _scalar,
+)
 
 PROGRESS_INTERVAL = 0.3
-_HANDLER = f"{DemoWebhook.__module__}:{DemoWebhook.__name__}"  # dedupworker.dev.demo:DemoWebhook
+_HANDLER = (
+    f"{DemoWebhook.__module__}:{DemoWebhook.__name__}"  # dedupworker.dev.demo_handler:DemoWebhook
+)
 
 _PROGRESS = f"""
 SELECT (SELECT count(*) FROM dedupworker.jobs WHERE queue = '{QUEUE}' AND status = 'ready'),

@@ -6,7 +6,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dedupworker.decide.outcomes import SUCCEEDED, Outcome, Verdict
 from dedupworker.engines.seams import Call
@@ -14,13 +14,21 @@ from dedupworker.observe import metrics
 from dedupworker.observe.hot import HotEntities
 
 if TYPE_CHECKING:
-    from dedupworker.engines.batch.source import BatchCall
     from dedupworker.handler import Handler
+    from dedupworker.transport import Delivery
 
 log = logging.getLogger("dedupworker")
 
 _VALUES = {outcome: outcome.value for outcome in Outcome}  # without enum's property per call
 _LOG_LEVELS = {Outcome.DEAD_LETTERED: logging.WARNING, Outcome.RETRIED: logging.INFO}
+
+
+class RecordedBatch(Protocol):
+    """What `record_batch` reads of a batch (the batch engine's `BatchCall` is one)."""
+
+    deliveries: list[Delivery]
+    entities: list[int | str | None]
+    verdicts: list[Verdict | None]
 
 
 class Recorder:
@@ -68,7 +76,7 @@ class Recorder:
         if log.isEnabledFor(level):
             self._log(level, call, verdict, elapsed)
 
-    def record_batch(self, call: BatchCall, started: float) -> None:
+    def record_batch(self, call: RecordedBatch, started: float) -> None:
         """A batch's outcomes (the batch engine): counted per message, its duration observed
         once per outcome it had, its size in dedupworker_batch_size."""
         elapsed = time.perf_counter() - started
@@ -99,7 +107,7 @@ class Recorder:
                 self.stats[_VALUES[outcome]] += count
 
     def _observe_batch(
-        self, call: BatchCall, counts: collections.Counter[Outcome], elapsed: float
+        self, call: RecordedBatch, counts: collections.Counter[Outcome], elapsed: float
     ) -> None:
         self._batch_size.observe(len(call.deliveries))
         for outcome, count in counts.items():

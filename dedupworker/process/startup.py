@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 import tenacity
@@ -19,7 +19,10 @@ from dedupworker.db.schema import check_schema
 from dedupworker.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from dedupworker.process.worker import Worker
+    from collections.abc import Sequence
+    from http.server import ThreadingHTTPServer
+
+    from dedupworker.handler import Handler
 
 log = logging.getLogger("dedupworker")
 
@@ -103,7 +106,21 @@ def check_pooler(config: WorkerConfig, pool_size: int) -> tuple[WorkerConfig, st
     return dataclasses.replace(config, pgbouncer=True), "detected (running as with --pgbouncer)"
 
 
-def describe(worker: Worker) -> str:
+class Described(Protocol):
+    """What the first and last lines read of a worker (`dedupworker.Worker` is one)."""
+
+    config: WorkerConfig
+    pooler: str
+    own_singletons: list[str]
+    http: ThreadingHTTPServer | None
+
+    @property
+    def handlers(self) -> Sequence[Handler]: ...
+
+    def queue_for(self, handler: Handler) -> str: ...
+
+
+def describe(worker: Described) -> str:
     """What the start-up line says: what runs, where, and where to watch it."""
     config = worker.config
     handlers = [f"{h.name} (queue {worker.queue_for(h)!r})" for h in worker.handlers]
@@ -125,7 +142,7 @@ def describe(worker: Worker) -> str:
     return "; ".join(parts)
 
 
-def queues_named(worker: Worker) -> str:
+def queues_named(worker: Described) -> str:
     """The queues the last line names."""
     queues = list(dict.fromkeys(repr(worker.queue_for(h)) for h in worker.handlers))
     if not queues:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dedupworker.errors import ConfigurationError, TransportError
 
 if TYPE_CHECKING:
-    from dedupworker.config import WorkerConfig
     from dedupworker.transport import Transport
 
 
@@ -77,7 +76,8 @@ def options_class(name: str) -> type[TransportOptions]:
     return found
 
 
-def load_transport(name: str, config: WorkerConfig, pool: Any) -> Transport:
+def load_transport(name: str, config: object, pool: Any) -> Transport:
+    """The transport `name`, made with the worker's settings (a `WorkerConfig`) and pool."""
     entry = registered(name)
     try:
         cls = _attribute(entry.transport)

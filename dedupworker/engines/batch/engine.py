@@ -38,6 +38,7 @@ from dedupworker.engines.batch.source import (
     SAVEPOINT,
     BatchCall,
     BatchSource,
+    ClaimsBatches,
     Keys,
     ReceivedBatches,
 )
@@ -46,7 +47,7 @@ from dedupworker.engines.recording import Recorder
 from dedupworker.errors import ConfigurationError
 from dedupworker.handler import BatchHandler
 from dedupworker.observe import metrics
-from dedupworker.transport import ClaimsBatches, Receives, Transport
+from dedupworker.transport import Receives, Transport
 
 log = logging.getLogger("dedupworker")
 

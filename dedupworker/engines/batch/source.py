@@ -14,7 +14,7 @@ savepoint, the ledger look-up, the ledger record) are built here, once.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -239,3 +239,13 @@ class ReceivedBatches:
 
     def release(self) -> None:
         return None
+
+
+@runtime_checkable
+class ClaimsBatches(Protocol):
+    """Messages that are rows of the database, claimed for the batch engine many at a time in
+    the batch's transaction (see transports/postgres/batch.py)."""
+
+    def batch_claims(
+        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+    ) -> BatchSource: ...

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
@@ -43,8 +43,6 @@ from dedupworker.transport import Receives, Transport
 
 if TYPE_CHECKING:
     import collections
-
-    from dedupworker.config import WorkerConfig
 
 log = logging.getLogger("dedupworker")
 
@@ -65,6 +63,29 @@ DEFAULT_THREADS = min(32, (os.cpu_count() or 1) + 4)
 READ_TCP_SETTINGS = {**TCP_SETTINGS, "keepalives_idle": 2, "tcp_user_timeout": 10_000}
 
 
+class Settings(Protocol):
+    """What the engine reads of the worker's settings (`dedupworker.WorkerConfig` is one)."""
+
+    @property
+    def dsn(self) -> str: ...
+    @property
+    def lock_dsn(self) -> str | None: ...
+    @property
+    def pgbouncer(self) -> bool: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def lock_sessions(self) -> int: ...
+    @property
+    def read_connections(self) -> int: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def poll_interval(self) -> float: ...
+    @property
+    def shutdown_timeout(self) -> float: ...
+
+
 class SessionEngine:
     """Runs one session-scope handler over one transport (see the module docstring)."""
 
@@ -72,7 +93,7 @@ class SessionEngine:
         self,
         handler: Handler,
         transport: Transport,
-        config: WorkerConfig,
+        config: Settings,
         observe: bool,
     ) -> None:
         self.handler = handler
@@ -326,7 +347,7 @@ class SessionEngine:
 
 def source_of(transport: Transport, io: Executor) -> Source:
     """The transport's own session claims (the postgres queue), or a received message's."""
-    from dedupworker.transport import ClaimsOnSessions
+    from dedupworker.engines.session.source import ClaimsOnSessions
 
     if isinstance(transport, ClaimsOnSessions):
         return transport.session_claims()

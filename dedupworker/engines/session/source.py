@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dedupworker.decide.outcomes import Verdict, carry_out
 from dedupworker.transport import Delivery, Receives, ReceivesMany
@@ -124,3 +124,11 @@ class ReceivedSource:
 
     def wait_for_work(self, stop: Any, timeout: float) -> None:
         self.transport.wait_for_work(stop, timeout)
+
+
+@runtime_checkable
+class ClaimsOnSessions(Protocol):
+    """Messages that are rows of the database, claimed for the session-lock engine by session
+    locks on its lock sessions (see transports/postgres/session.py)."""
+
+    def session_claims(self) -> Source: ...

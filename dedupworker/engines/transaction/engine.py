@@ -33,10 +33,10 @@ from dedupworker.decide.turns import LocalTurns
 from dedupworker.engines.common import check_transaction
 from dedupworker.engines.recording import Recorder
 from dedupworker.engines.seams import Call, Transactions
-from dedupworker.engines.transaction.source import ReceivedTransactions
+from dedupworker.engines.transaction.source import OpensTransactions, ReceivedTransactions
 from dedupworker.errors import ConfigurationError
 from dedupworker.handler import Handler
-from dedupworker.transport import OpensTransactions, Receives, Transport
+from dedupworker.transport import Receives, Transport
 
 log = logging.getLogger("dedupworker")
 

@@ -10,7 +10,7 @@ handler's writes is in the transaction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from psycopg_pool import ConnectionPool
 
@@ -19,7 +19,7 @@ from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.wire import Batch
 from dedupworker.decide.keys import LockKey
 from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
-from dedupworker.engines.seams import Call
+from dedupworker.engines.seams import Call, Transactions
 from dedupworker.handler import Handler
 from dedupworker.transport import Receives
 
@@ -79,3 +79,12 @@ class ReceivedTransactions:
 
     def release(self) -> None:
         return None
+
+
+@runtime_checkable
+class OpensTransactions(Protocol):
+    """Messages that are rows of the database: the source opens each message's transaction
+    itself (the claim is part of it) and settles inside it (see
+    transports/postgres/transaction.py)."""
+
+    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...

@@ -34,7 +34,7 @@ from dedupworker.transport import Delivery
 from dedupworker.transports.postgres.cursor import Cursor
 
 if TYPE_CHECKING:
-    from dedupworker.transports.postgres.queue import PostgresTransport
+    from dedupworker.transports.postgres.jobs import Jobs
 
 # Seconds for which a thread's claims share the hot entities out (sql.BATCH_CLAIM_SHARED) after
 # one of its batches came with an entity repeated; and the window they look at, in batches per
@@ -75,7 +75,7 @@ class ClaimedBatches:
 
     def __init__(
         self,
-        queue: PostgresTransport,
+        queue: Jobs,
         handler: BatchHandler,
         pool: ConnectionPool[Any],
         threads: int,

@@ -61,12 +61,13 @@ class PostgresTransport:
             self._listener.start()
 
     def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> ClaimedTransactions:
-        """Each message's transaction, opened by its claim (transport.OpensTransactions)."""
+        """Each message's transaction, opened by its claim
+        (engines.transaction.source.OpensTransactions)."""
         return ClaimedTransactions(self, handler, pool)
 
     def session_claims(self) -> Source:
         """Jobs claimed by session locks, for the session-lock engine
-        (transport.ClaimsOnSessions)."""
+        (engines.session.source.ClaimsOnSessions)."""
         from dedupworker.transports.postgres.session import (
             SessionClaims,  # it builds Jobs: imported once this module is
         )
@@ -77,7 +78,7 @@ class PostgresTransport:
         self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
     ) -> BatchSource:
         """Jobs claimed many at a time by `threads` handler threads, for the batch engine
-        (transport.ClaimsBatches)."""
+        (engines.batch.source.ClaimsBatches)."""
         from dedupworker.transports.postgres.batch import ClaimedBatches
 
         return ClaimedBatches(self, handler, pool, threads)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
     from dedupworker.engines.session.lock_session import LockSession
-    from dedupworker.transports.postgres.queue import PostgresTransport
+    from dedupworker.transports.postgres.jobs import Jobs
 
 # Candidates read per claim, for each job wanted: some are held by other workers, some share
 # an entity.
@@ -53,7 +53,7 @@ class SessionClaims:
 
     claims_on_sessions = True
 
-    def __init__(self, queue: PostgresTransport) -> None:
+    def __init__(self, queue: Jobs) -> None:
         self.queue = queue
         self._held: set[int] = set()  # ids of the jobs in hand
         self._entities: collections.Counter[str] = collections.Counter()  # theirs, given

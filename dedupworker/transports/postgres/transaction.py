@@ -36,7 +36,7 @@ from dedupworker.transport import Delivery
 from dedupworker.transports.postgres.cursor import Cursor
 
 if TYPE_CHECKING:
-    from dedupworker.transports.postgres.queue import PostgresTransport
+    from dedupworker.transports.postgres.jobs import Jobs
 
 SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
@@ -91,9 +91,7 @@ class Claimed(Call):
 class ClaimedTransactions:
     """`dedupworker.engines.seams.Transactions` for the postgres queue."""
 
-    def __init__(
-        self, queue: PostgresTransport, handler: Handler, pool: ConnectionPool[Any]
-    ) -> None:
+    def __init__(self, queue: Jobs, handler: Handler, pool: ConnectionPool[Any]) -> None:
         self.queue = queue
         self.pool = pool
         self.handler = handler
