@@ -178,8 +178,7 @@ def open_pool(
 ) -> ConnectionPool[Any]:
     """A fixed-size pool, opened only after one connection proved the database reachable."""
     # Autocommit: BEGIN/COMMIT are sent by each source's transactions
-    # (dedupworker.engines.transaction.source,
-    # transports/postgres/transaction.py). Prepared
+    # (dedupworker.engines.transaction.source, transports/postgres/transaction.py). Prepared
     # statements (none behind a pooler) are settled per connection by `wire.configure`.
     kwargs = {**connection_kwargs(name), "autocommit": True}
     connect(dsn, timeout, **kwargs).close()

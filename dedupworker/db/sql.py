@@ -4,9 +4,8 @@ from __future__ import annotations
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
-# The session-lock engine (dedupworker.engines.session) claims a postgres job by a session lock on
-# it,
-# (JOB_NAMESPACE, the id's low 32 bits), on one of its lock sessions: no row lock and no
+# The session-lock engine (dedupworker.engines.session) claims a postgres job by a session lock
+# on it (JOB_NAMESPACE, the id's low 32 bits), on one of its lock sessions: no row lock and no
 # transaction is held for the call, and a dead worker's jobs are free the moment its sessions
 # end. The per-message claims take the same key (transaction-scoped) on the row they claim, so
 # both engines can serve one queue. Two ids 2**32 apart share a key: that costs a wait.
@@ -19,14 +18,13 @@ _JOB_FREE = f"""CASE
 
 # The claim: one ready job, oldest first, skipping rows other claims hold. It also tries the
 # lock of the entity given at enqueue (NULL when none was given), computed as
-# dedupworker.decide.keys
-# does (a string that is the decimal form of an int4 is that int, as an older producer may have
-# stored it); the worker checks the entity against its handler's before it trusts the result.
-# The CTE claims one row first: the lock is tried on that row only. The scan starts at the
-# claiming thread's cursor (the epoch of the run_at it claimed last, as PostgreSQL wrote it, read
-# back less a millisecond for the float's rounding; NULL: the head of the ready index), which
-# the last column returns: from the head, it walks the index entries of every job deleted since
-# the table's last vacuum (see transports/postgres/transaction.py).
+# dedupworker.decide.keys does (a string that is the decimal form of an int4 is that int, as an
+# older producer may have stored it); the worker checks the entity against its handler's before it
+# trusts the result. The CTE claims one row first: the lock is tried on that row only. The scan
+# starts at the claiming thread's cursor (the epoch of the run_at it claimed last, as PostgreSQL
+# wrote it, read back less a millisecond for the float's rounding; NULL: the head of the ready
+# index), which the last column returns: from the head, it walks the index entries of every job
+# deleted since the table's last vacuum (see transports/postgres/transaction.py).
 _CLAIM_LOCKING = """
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at

@@ -93,10 +93,9 @@ def lock_key(namespace: int, entity: object, mode: KeyMode = "int4") -> LockKey:
 @dataclass(frozen=True, slots=True)
 class SessionKey:
     """An entity's key as the session-lock statements take it (dedupworker.engines.session): the
-    same
-    key `lock_key` builds, as columns of arrays so that one statement locks many. `number`:
-    the int4 key itself; otherwise `text` is hashed by PostgreSQL (hashtext, or
-    hashtextextended in hash64 mode, `wide`)."""
+    same key `lock_key` builds, as columns of arrays so that one statement locks many. `number`: the
+    int4 key itself; otherwise `text` is hashed by PostgreSQL (hashtext, or hashtextextended in
+    hash64 mode, `wide`)."""
 
     namespace: int
     number: int | None

@@ -98,7 +98,6 @@ class Recorder:
             level = _LOG_LEVELS.get(outcome, logging.DEBUG)
             if log.isEnabledFor(level):
                 one = Call(call.deliveries[i], None)
-                one.entity = call.entities[i]
                 self._log(level, one, verdict, elapsed)
         if self.observe:
             self._observe_batch(call, counts, elapsed)

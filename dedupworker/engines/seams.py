@@ -44,17 +44,20 @@ if TYPE_CHECKING:
 class Call:
     """One message on its way through the runner, with the connection its handler runs on."""
 
-    __slots__ = ("conn", "delivery", "entity", "met_busy", "turn")
+    __slots__ = ("conn", "delivery", "met_busy", "turn")
 
     def __init__(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
         self.delivery = delivery
         self.conn = conn  # None once given back to the pool (or held for the next claim)
-        # The handler's entity once computed (logs, hot entities).
-        self.entity: int | str | None = None
         # The entity's turn among the worker's threads, held from the lock until after COMMIT.
         self.turn: Hashable | None = None
         # The entity was locked elsewhere or running in this process when the message came.
         self.met_busy = False
+
+    @property
+    def entity(self) -> int | str | None:
+        """The handler's entity once computed (`outcomes.identify` keeps it on the delivery)."""
+        return self.delivery.entity
 
 
 class Transactions(Protocol):

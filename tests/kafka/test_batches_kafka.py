@@ -4,13 +4,12 @@ Real `dedupworker run --transport kafka --drain` processes run batch handlers
 (`dedupworker.BatchHandler`): tests/support/batch_broker_handlers.py's `KeyedBatch`, whose
 entity is the message key and whose ledger key is the default message id
 (topic/partition/offset), and the checker's `dedupworker.testing.checking.BatchCheckedHandler`
-(ledger
-key: the body's "msg"). Each entity's messages go to one partition, keyed by the entity. What
-must hold: every message's effect committed once, each key's messages applied in offset order
-(the transport hands out at most one message per key at a time, so a batch holds one message
-of a key), poison messages found by the engine's halving and dead-lettered to the dead-letter
-topic with their reason, and the group's committed offsets at the end of every partition, past
-the dead letters too.
+(ledger key: the body's "msg"). Each entity's messages go to one partition, keyed by the entity.
+What must hold: every message's effect committed once, each key's messages applied in offset order
+(the transport hands out at most one message per key at a time, so a batch holds one message of a
+key), poison messages found by the engine's halving and dead-lettered to the dead-letter topic with
+their reason, and the group's committed offsets at the end of every partition, past the dead letters
+too.
 
 Where a test needs work left whatever the machine's speed (a rebalance mid-run), the gate of
 tests/kafka/test_faults_kafka.py holds it: the test holds the lock of the checker's entity e0,

@@ -5,12 +5,10 @@ Each test produces keyed messages over a few hot entities (the key is the entity
 entity's messages go to one partition) plus one poison message, runs real
 `dedupworker run --transport kafka --drain` processes of one consumer group with the checker's
 handler (`dedupworker.testing.checking:CheckedHandler`), injects one fault while they drain the
-topic,
-and asserts zero overlapping calls per entity, zero lost messages, zero double successes (the
-dedup ledger keys on topic/partition/offset, so a re-delivered message commits its effect
-once), nothing in the dead-letter topic but the poison message (with its reason), every process
-exited 0 unless the test killed it, and the group's committed offsets at the end of every
-partition.
+topic, and asserts zero overlapping calls per entity, zero lost messages, zero double successes (the
+dedup ledger keys on topic/partition/offset, so a re-delivered message commits its effect once),
+nothing in the dead-letter topic but the poison message (with its reason), every process exited 0
+unless the test killed it, and the group's committed offsets at the end of every partition.
 
 A gate keeps work waiting across each fault whatever the machine's speed: the test holds the
 advisory lock of one entity (GATE), whose messages stay contended, at the head of their key,

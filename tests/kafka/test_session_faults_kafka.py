@@ -3,8 +3,7 @@ workers' connections to PostgreSQL cut, PostgreSQL restarted (tests/support/db_f
 
 Two `--drain` workers of one group with async or plain-function handlers
 (`dedupworker.testing.checking`'s, as in the postgres fault suites) reach PostgreSQL through a
-relay;
-the independent checker, reading directly, finds no overlap, no loss and no effect applied
+relay; the independent checker, reading directly, finds no overlap, no loss and no effect applied
 twice, and both workers drain and exit 0.
 """
 

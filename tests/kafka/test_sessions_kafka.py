@@ -6,8 +6,7 @@ the call, its lock a session lock on one of the worker's lock sessions, its writ
 with the message's settlement, then the transport's ack, retry or dead letter). The key is the
 entity and each entity's messages go to one partition; the checker
 (`dedupworker.testing.checking.check`) reads back what the calls recorded: zero overlapping calls
-per
-entity, nothing lost, no effect committed twice, and each key's calls in offset order.
+per entity, nothing lost, no effect committed twice, and each key's calls in offset order.
 
 Where a test needs work left whatever the machine's speed (a worker to kill mid-run), a gate
 holds it: one message per partition of the entity GATE, whose lock the test holds (the very key

@@ -1,6 +1,5 @@
 """The operator console's admin functions (dedupworker.ops.admin.operations) and their command line
-verbs
-(pause, resume, queues, dead list/requeue/discard by search), on a real PostgreSQL."""
+verbs (pause, resume, queues, dead list/requeue/discard by search), on a real PostgreSQL."""
 
 from __future__ import annotations
 

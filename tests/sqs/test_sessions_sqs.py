@@ -5,8 +5,7 @@ tests/support/session_handlers.py (`lock_scope = "session"`: no transaction duri
 its lock a session lock on one of the worker's lock sessions, its writes committed with the
 message's settlement, then SQS's delete, re-send or dead letter). The checker
 (`dedupworker.testing.checking.check`) reads back what the calls recorded: zero overlapping calls
-per
-entity, nothing lost, no effect committed twice. These runs have no fault, so every message must
+per entity, nothing lost, no effect committed twice. These runs have no fault, so every message must
 also be received, handled and deleted once: no duplicate outcome at all.
 """
 

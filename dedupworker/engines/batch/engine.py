@@ -18,20 +18,11 @@ import logging
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from dedupworker.db.wire import Batch
+from dedupworker.decide import outcomes
 from dedupworker.decide.keys import INT4_MAX, INT4_MIN
-from dedupworker.decide.outcomes import (
-    DUPLICATE,
-    Outcome,
-    Verdict,
-    identify,
-    on_contended,
-    on_failure,
-    on_success,
-)
 from dedupworker.engines.batch.source import (
     RELEASE_SAVEPOINT,
     ROLLBACK_TO_SAVEPOINT,
@@ -42,7 +33,7 @@ from dedupworker.engines.batch.source import (
     Keys,
     ReceivedBatches,
 )
-from dedupworker.engines.common import check_transaction
+from dedupworker.engines.common import OPEN, check_transaction
 from dedupworker.engines.recording import Recorder
 from dedupworker.errors import ConfigurationError
 from dedupworker.handler import BatchHandler
@@ -51,7 +42,6 @@ from dedupworker.transport import Receives, Transport
 
 log = logging.getLogger("dedupworker")
 
-_OPEN = (int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR))
 Groups = list[list[int]]  # message ordinals of a batch, one list per entity, in order
 
 
@@ -134,8 +124,8 @@ class BatchEngine:
         dedup_keys: list[str] = []
         prelocked, int4 = self.source.prelocked, self._mode == "int4"
         for i, delivery in enumerate(call.deliveries):
-            found = identify(handler, delivery)
-            if isinstance(found, Verdict):
+            found = outcomes.identify(handler, delivery)
+            if isinstance(found, outcomes.Verdict):
                 verdicts[i] = found
                 continue
             entity, dedup_key = found
@@ -162,7 +152,7 @@ class BatchEngine:
 
     def _contended(self, call: BatchCall, ordinals: list[int]) -> None:
         for i in ordinals:
-            call.verdicts[i] = on_contended(self.handler, call.deliveries[i])
+            call.verdicts[i] = outcomes.on_contended(self.handler, call.deliveries[i])
 
     def _unseen(
         self, call: BatchCall, group: list[int], seen: set[str], taken: set[str]
@@ -176,9 +166,9 @@ class BatchEngine:
             if key is None:
                 run.append(i)
             elif key in seen:
-                call.verdicts[i] = DUPLICATE
+                call.verdicts[i] = outcomes.DUPLICATE
             elif key in taken:
-                call.verdicts[i] = on_contended(self.handler, call.deliveries[i])
+                call.verdicts[i] = outcomes.on_contended(self.handler, call.deliveries[i])
             else:
                 taken.add(key)
                 run.append(i)
@@ -202,12 +192,14 @@ class BatchEngine:
             return
         (group,) = groups
         if len(group) == 1:
-            call.verdicts[group[0]] = on_failure(self.handler, call.deliveries[group[0]], error)
+            call.verdicts[group[0]] = outcomes.on_failure(
+                self.handler, call.deliveries[group[0]], error
+            )
             return
         for n, i in enumerate(group):
             error = self._attempt(call, [i])
             if error is not None:
-                call.verdicts[i] = on_failure(self.handler, call.deliveries[i], error)
+                call.verdicts[i] = outcomes.on_failure(self.handler, call.deliveries[i], error)
                 self._contended(call, group[n + 1 :])
                 return
 
@@ -217,8 +209,8 @@ class BatchEngine:
         ran fails (retried; the handler's bug is in the reason) rather than be acknowledged
         without its effects."""
         for i, verdict in enumerate(call.verdicts):
-            if verdict is None or verdict.outcome is Outcome.SUCCEEDED:
-                call.verdicts[i] = on_failure(self.handler, call.deliveries[i], error)
+            if verdict is None or verdict.outcome is outcomes.Outcome.SUCCEEDED:
+                call.verdicts[i] = outcomes.on_failure(self.handler, call.deliveries[i], error)
 
     def _attempt(
         self, call: BatchCall, ordinals: list[int], first: bool = False
@@ -239,7 +231,7 @@ class BatchEngine:
         except Exception as exc:
             if conn.broken or conn.closed:
                 raise
-            if conn.pgconn.transaction_status not in _OPEN:
+            if conn.pgconn.transaction_status not in OPEN:
                 call.ended, call.savepoint = exc, None  # every message still to run fails
                 return exc
             conn.execute(ROLLBACK_TO_SAVEPOINT)
@@ -248,7 +240,7 @@ class BatchEngine:
         call.savepoint = "kept"
         dedup, verdicts = call.dedup, call.verdicts
         for i in ordinals:
-            verdicts[i] = on_success(dedup[i])
+            verdicts[i] = outcomes.on_success(dedup[i])
         return None
 
     def _fresh_savepoint(self, call: BatchCall, conn: psycopg.Connection[Any]) -> None:

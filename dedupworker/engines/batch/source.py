@@ -17,13 +17,13 @@ import itertools
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from dedupworker.db import sql
 from dedupworker.db.connect import give_back_broken
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.outcomes import Verdict, carry_out_many
+from dedupworker.engines.common import GIVE_BACK_DELAY, OPEN
 from dedupworker.transport import Delivery, Receives, ReceivesMany
 
 if TYPE_CHECKING:
@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 SAVEPOINT = "SAVEPOINT dedupworker_batch"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_batch"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_batch"
-_OPEN = (int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR))
-# Seconds before a message whose batch's database call failed is offered again.
-GIVE_BACK_DELAY = 1.0
 RECEIVE_MAX = 10  # what one SQS receive returns at most
 
 
@@ -117,7 +114,7 @@ class BatchSource(Protocol):
         """This thread stops."""
 
 
-class Statements:
+class BatchStatements:
     """The statements around a batch's call that are the same for every source."""
 
     def __init__(self, handler: BatchHandler) -> None:
@@ -153,7 +150,7 @@ class Statements:
         calls that succeeded wrote is kept), the ledger record of the messages that succeeded."""
         conn = call.conn
         assert conn is not None
-        if call.savepoint is not None and conn.pgconn.transaction_status in _OPEN:
+        if call.savepoint is not None and conn.pgconn.transaction_status in OPEN:
             batch.execute(RELEASE_SAVEPOINT)
             call.savepoint = None
         records = [v.record for v in call.verdicts if v is not None and v.record is not None]
@@ -162,7 +159,7 @@ class Statements:
 
 
 def locked(refused: Result | None, seen: Result | None) -> tuple[set[int], set[str]]:
-    """What `Statements.lock`'s results say, once its batch ran."""
+    """What `BatchStatements.lock`'s results say, once its batch ran."""
     held = set() if refused is None else {row[0] for row in refused.fetchall()}
     return held, set() if seen is None else {row[0] for row in seen.fetchall()}
 
@@ -177,7 +174,7 @@ class ReceivedBatches:
         self.transport = transport
         self.many = transport if isinstance(transport, ReceivesMany) else None
         self.pool = pool
-        self.statements = Statements(handler)
+        self.statements = BatchStatements(handler)
 
     def start(self, size: int) -> BatchCall | None:
         deliveries = self._receive(size)
@@ -220,7 +217,7 @@ class ReceivedBatches:
         conn = call.conn
         assert conn is not None
         end = Batch(conn)
-        if conn.pgconn.transaction_status in _OPEN:
+        if conn.pgconn.transaction_status in OPEN:
             self.statements.end(end, call)
             end.execute("COMMIT")
             end.run()

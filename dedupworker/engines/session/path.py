@@ -33,16 +33,9 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from dedupworker.db import sql
+from dedupworker.decide import outcomes
 from dedupworker.decide.keys import session_key
-from dedupworker.decide.outcomes import (
-    DUPLICATE,
-    Outcome,
-    Verdict,
-    identify,
-    on_contended,
-    on_failure,
-    on_success,
-)
+from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
 from dedupworker.engines.session.call import CallState, SessionCall
 from dedupworker.engines.session.connection import AsyncCallConnection, CallConnection
@@ -57,7 +50,7 @@ from dedupworker.observe import metrics
 log = logging.getLogger("dedupworker")
 
 S = CallState
-_KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
+_KEPT = (outcomes.Outcome.SUCCEEDED, outcomes.Outcome.DUPLICATE)
 
 
 class CallPath:
@@ -87,7 +80,7 @@ class CallPath:
         self.longest_run_on = 0.0
         kind = type(handler)
         self._may_run = kind.may_run is not Handler.may_run
-        self._after_settle = kind.after_settle is not Handler.after_settle
+        self._after_settle = has_after_settle(handler)
         self._lock_read = kind.lock_read is not Handler.lock_read
         self.observe = recorder.observe
         self._m_locks = metrics.SESSION_LOCKS.labels(handler.name)
@@ -97,7 +90,7 @@ class CallPath:
     async def process(self, call: SessionCall) -> None:
         """Decide, settle, end and record one message."""
         started = self.recorder.started()
-        verdict: Verdict | None = None
+        verdict: outcomes.Verdict | None = None
         try:
             verdict = await self._settle(call, await self._decide(call))
         except (SessionLost, asyncio.CancelledError):
@@ -119,14 +112,13 @@ class CallPath:
 
     # --- decide -----------------------------------------------------------------------------
 
-    async def _decide(self, call: SessionCall) -> Verdict:
+    async def _decide(self, call: SessionCall) -> outcomes.Verdict:
         """Entity, local turn, slot, lock and guard, ledger look-up, then the handler."""
         handler, delivery = self.handler, call.delivery
-        found = identify(handler, delivery)
-        if isinstance(found, Verdict):
+        found = outcomes.identify(handler, delivery)
+        if isinstance(found, outcomes.Verdict):
             return found
         entity, dedup_key = found
-        call.entity = entity
         call.key = session_key(handler.lock_namespace, entity, handler.lock_key_mode)
         await self.turns.take(call, call.key)
         await self.slots.acquire()
@@ -137,9 +129,9 @@ class CallPath:
         locked, seen = await self._lock(call, Lock(call.key, dedup, read))
         if not locked:
             call.met_busy = True
-            return on_contended(handler, delivery)
+            return outcomes.on_contended(handler, delivery)
         if seen:
-            return DUPLICATE
+            return outcomes.DUPLICATE
         call.move(S.RUNNING)
         return await self._call(call, dedup_key)
 
@@ -183,7 +175,7 @@ class CallPath:
             return False, False
         return True, seen
 
-    async def _call(self, call: SessionCall, dedup_key: str | None) -> Verdict:
+    async def _call(self, call: SessionCall, dedup_key: str | None) -> outcomes.Verdict:
         """The handler, under the entity's lock, with no transaction open."""
         handler, message = self.handler, call.delivery.message
         conn = self._call_connection(call)
@@ -193,15 +185,15 @@ class CallPath:
             if call.read_failed is not None:
                 raise call.read_failed  # the handler's lock_read: a failure of the call
             if self._may_run and not await self._run(handler.may_run, message, conn):
-                return on_contended(handler, call.delivery)
+                return outcomes.on_contended(handler, call.delivery)
             await self._run(handler.handle, message, conn)
         except SessionLost:
             raise
         except Exception as exc:
             if call.state is S.CUT:
                 raise SessionLost("the call's lock session was lost") from exc
-            return on_failure(handler, call.delivery, exc)
-        return on_success(dedup_key)
+            return outcomes.on_failure(handler, call.delivery, exc)
+        return outcomes.on_success(dedup_key)
 
     def _call_connection(self, call: SessionCall) -> AsyncCallConnection | CallConnection:
         def writable() -> bool:
@@ -234,7 +226,7 @@ class CallPath:
 
     # --- settle -----------------------------------------------------------------------------
 
-    async def _settle(self, call: SessionCall, verdict: Verdict) -> Verdict:
+    async def _settle(self, call: SessionCall, verdict: outcomes.Verdict) -> outcomes.Verdict:
         """Ledger record, queued writes and the source's statements commit on the primary
         session with the unlocks (the guard's hold goes meanwhile: the call has ended); if
         they fail on their own, the message fails without them."""
@@ -245,7 +237,7 @@ class CallPath:
         try:
             await self._commit(call, verdict)
         except SettlementFailed as exc:
-            verdict = on_failure(self.handler, call.delivery, exc.error)
+            verdict = outcomes.on_failure(self.handler, call.delivery, exc.error)
             await self._commit(call, verdict, writes=False)
         finally:
             with contextlib.suppress(SessionLost):
@@ -254,7 +246,9 @@ class CallPath:
         await self.source.carry_out(call.delivery, verdict)
         return verdict
 
-    async def _commit(self, call: SessionCall, verdict: Verdict, writes: bool = True) -> None:
+    async def _commit(
+        self, call: SessionCall, verdict: outcomes.Verdict, writes: bool = True
+    ) -> None:
         statements = _statements(
             self.handler,
             self.source,
@@ -364,7 +358,7 @@ def _statements(
     handler: Handler,
     source: Source,
     call: SessionCall,
-    verdict: Verdict,
+    verdict: outcomes.Verdict,
     *,
     writes: bool,
     after_settle: bool,

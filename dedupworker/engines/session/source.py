@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dedupworker.decide.outcomes import Verdict, carry_out
+from dedupworker.engines.common import GIVE_BACK_DELAY
 from dedupworker.transport import Delivery, Receives, ReceivesMany
 
 if TYPE_CHECKING:
@@ -23,13 +24,11 @@ if TYPE_CHECKING:
     from dedupworker.db.wire import Rows
     from dedupworker.engines.session.lock_session import LockSession
 
-# Seconds before a message whose call was cut off (its lock session lost) is offered again.
-GIVE_BACK_DELAY = 1.0
 # Messages received in one go from a transport that hands them over.
 RECEIVE_BATCH = 10
 
 
-class Statements:
+class QueuedStatements:
     """A `wire.Executor` that keeps the statements a transport settles with, for the
     settlement's transaction (their results are never read)."""
 

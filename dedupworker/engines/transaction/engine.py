@@ -5,9 +5,8 @@ open its transaction), decide (entity, local turn, lock and ledger look-up, the 
 the verdict), settle (ledger record, COMMIT and the transport's ack / requeue / dead letter, in
 the order the source needs), and record. How the transaction opens and closes belongs to the
 message source (`Transactions`): `dedupworker.engines.transaction.source` for transports that hand
-messages over,
-the postgres queue's own (`transports/postgres/transaction.py`) where the claim is part of the
-transaction. The handler runs inside that transaction on the psycopg connection: its
+messages over, the postgres queue's own (`transports/postgres/transaction.py`) where the claim is
+part of the transaction. The handler runs inside that transaction on the psycopg connection: its
 `conn.transaction()` blocks are nested savepoints and its statements join the transaction. See
 docs/architecture.md.
 """
@@ -20,15 +19,8 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
+from dedupworker.decide import outcomes
 from dedupworker.decide.keys import lock_key
-from dedupworker.decide.outcomes import (
-    DUPLICATE,
-    Verdict,
-    identify,
-    on_contended,
-    on_failure,
-    on_success,
-)
 from dedupworker.decide.turns import LocalTurns
 from dedupworker.engines.common import check_transaction
 from dedupworker.engines.recording import Recorder
@@ -90,27 +82,26 @@ class Runner:
         """This thread stops: the message claimed ahead for it goes back at once."""
         self.transactions.release()
 
-    def _decide(self, call: Call) -> Verdict:
+    def _decide(self, call: Call) -> outcomes.Verdict:
         """Entity, local turn, lock and ledger look-up, then the handler call: the verdict."""
         handler, delivery = self.handler, call.delivery
-        found = identify(handler, delivery)
-        if isinstance(found, Verdict):
+        found = outcomes.identify(handler, delivery)
+        if isinstance(found, outcomes.Verdict):
             return found
         entity, dedup_key = found
-        call.entity = entity
         ours = self.transactions.prelocked(call, entity)
         if ours is False:
             # Locked elsewhere, as starting the message found: back to its source at once.
             call.met_busy = True
-            return on_contended(handler, delivery)
+            return outcomes.on_contended(handler, delivery)
         key = None if ours else lock_key(handler.lock_namespace, entity, handler.lock_key_mode)
         if key is not None and not self._take_turn(call, (key.sql, key.params)):
-            return on_contended(handler, delivery)
+            return outcomes.on_contended(handler, delivery)
         locked, seen = self.transactions.lock(call, key, dedup_key)
         if not locked:
-            return on_contended(handler, delivery)
+            return outcomes.on_contended(handler, delivery)
         if seen:
-            return DUPLICATE
+            return outcomes.DUPLICATE
         return self._call(call, dedup_key)
 
     def _take_turn(self, call: Call, turn: tuple[str, tuple[int | str, ...]]) -> bool:
@@ -127,20 +118,20 @@ class Runner:
             self.turns.give_back(call.turn)
             call.turn = None
 
-    def _call(self, call: Call, dedup_key: str | None) -> Verdict:
+    def _call(self, call: Call, dedup_key: str | None) -> outcomes.Verdict:
         """The handler, under the entity's lock, in the message's transaction."""
         handler, message, conn = self.handler, call.delivery.message, call.conn
         assert conn is not None
         try:
             if not handler.may_run(message, conn):
-                return on_contended(handler, call.delivery)
+                return outcomes.on_contended(handler, call.delivery)
             handler.handle(message, conn)
             check_transaction(conn)
         except Exception as exc:
             if conn.broken or conn.closed:
                 raise
-            return on_failure(handler, call.delivery, exc)
-        return on_success(dedup_key)
+            return outcomes.on_failure(handler, call.delivery, exc)
+        return outcomes.on_success(dedup_key)
 
 
 def transactions_of(

@@ -19,12 +19,10 @@ from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.wire import Batch
 from dedupworker.decide.keys import LockKey
 from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.engines.common import GIVE_BACK_DELAY
 from dedupworker.engines.seams import Call, Transactions
 from dedupworker.handler import Handler
 from dedupworker.transport import Receives
-
-# Seconds before a message whose database call failed is offered again.
-GIVE_BACK_DELAY = 1.0
 
 
 class ReceivedTransactions:

@@ -1,6 +1,5 @@
-"""The SQL of the operators' operations (dedupworker.ops.admin.operations, and `dedupworker
-locks`): the
-advisory locks, queue figures, pauses, dead-job searches and actions, the audit, workers, hot
+"""The SQL of the operators' operations (dedupworker.ops.admin.operations, and `dedupworker locks`):
+the advisory locks, queue figures, pauses, dead-job searches and actions, the audit, workers, hot
 entities and webhook endpoints."""
 
 from __future__ import annotations

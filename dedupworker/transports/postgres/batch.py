@@ -28,27 +28,24 @@ from dedupworker.db import sql
 from dedupworker.db.connect import give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.outcomes import carry_out_many
-from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, Keys, Statements, locked
-from dedupworker.handler import BatchHandler, Handler
+from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys, locked
+from dedupworker.engines.common import has_after_settle
+from dedupworker.handler import BatchHandler
 from dedupworker.transport import Delivery
-from dedupworker.transports.postgres.cursor import Cursor
+from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
 
 if TYPE_CHECKING:
     from dedupworker.transports.postgres.jobs import Jobs
 
-# Seconds for which a thread's claims share the hot entities out (sql.BATCH_CLAIM_SHARED) after
-# one of its batches came with an entity repeated; and the window they look at, in batches per
-# handler thread.
-CROWDED_FOR = 5.0
+# A thread's claims share the hot entities out (sql.BATCH_CLAIM_SHARED) for CROWDED_FOR seconds
+# after one of its batches came with an entity repeated; the window they look at, in batches
+# per handler thread.
 WINDOW_BATCHES = 2
 # The claims of hot entities share them out among this many workers' worth of threads (this
 # worker's `--concurrency` each): a claim takes at most 1/(threads x SHARE_WORKERS) of the hot
 # entities, so that the threads of up to that many workers all find some free. Fewer entities
 # per batch costs nothing while each has jobs enough to fill it.
 SHARE_WORKERS = 4
-# Batches a thread claims ahead on one connection before it gives the connection back to the
-# pool once (so that the pool's checks and max_lifetime still apply to it).
-AHEAD_CHAIN = 1000
 
 
 class _Ahead(NamedTuple):
@@ -83,7 +80,7 @@ class ClaimedBatches:
         self.queue = queue
         self.pool = pool
         self.handler = handler
-        self.statements = Statements(handler)
+        self.statements = BatchStatements(handler)
         namespace, mode = handler.lock_namespace, handler.lock_key_mode
         self._claim_sql = sql.BATCH_CLAIM[mode]
         self._shared = sql.BATCH_CLAIM_SHARED[mode]
@@ -91,7 +88,7 @@ class ClaimedBatches:
         self._thread = _Thread()
         self._namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         # The default hook does nothing: skip the extra round trip it would need.
-        self._after_settle = type(handler).after_settle is not Handler.after_settle
+        self._after_settle = has_after_settle(handler)
 
     def start(self, size: int) -> BatchCall | None:
         """The batch claimed ahead by this thread's last COMMIT, or one claimed now; nothing

@@ -17,6 +17,12 @@ from __future__ import annotations
 import time
 
 CURSOR_SECONDS = 1.0
+# Messages (or batches) a thread claims ahead on one connection before it gives the connection
+# back to the pool once (so that the pool's checks and max_lifetime still apply to it).
+AHEAD_CHAIN = 1000
+# Seconds for which a thread's claims pass over jobs of locked entities, after one of its
+# messages met its entity locked or running (the batch engine: came with an entity repeated).
+CROWDED_FOR = 5.0
 
 
 class Cursor:

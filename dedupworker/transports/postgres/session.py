@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dedupworker.db import sql
 from dedupworker.decide.outcomes import Verdict, carry_out
-from dedupworker.engines.session.source import Statements
+from dedupworker.engines.session.source import QueuedStatements
 from dedupworker.message import Message
 from dedupworker.transport import Delivery
 
@@ -111,7 +111,7 @@ class SessionClaims:
                 del self._entities[job.entity]
 
     def statements(self, delivery: Delivery, verdict: Verdict) -> list[tuple[Any, Any]]:
-        queued = Statements()
+        queued = QueuedStatements()
         carry_out(self.queue, delivery, verdict, queued)
         return queued.queued
 

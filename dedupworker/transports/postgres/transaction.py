@@ -22,7 +22,6 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from dedupworker.db import sql
@@ -30,10 +29,11 @@ from dedupworker.db.connect import fetch_flag, give_back_broken, give_back_rolle
 from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
 from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.engines.common import OPEN, has_after_settle
 from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler
 from dedupworker.transport import Delivery
-from dedupworker.transports.postgres.cursor import Cursor
+from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
 
 if TYPE_CHECKING:
     from dedupworker.transports.postgres.jobs import Jobs
@@ -41,14 +41,7 @@ if TYPE_CHECKING:
 SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
-_OPEN = (int(TransactionStatus.INTRANS), int(TransactionStatus.INERROR))
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
-# Messages a thread claims ahead on one connection before it gives the connection back to the
-# pool once (so that the pool's checks and max_lifetime still apply to it).
-AHEAD_CHAIN = 1000
-# Seconds for which a thread's claims pass over jobs of locked entities, after one of its
-# messages met its entity locked or running.
-CROWDED_FOR = 5.0
 
 
 class _Claim(NamedTuple):
@@ -99,7 +92,7 @@ class ClaimedTransactions:
         self._scope = handler.ledger_scope
         self._timeout = handler.timeout_setting
         # The default hook does nothing: skip the extra round trip it would need.
-        self._after_settle = type(handler).after_settle is not Handler.after_settle
+        self._after_settle = has_after_settle(handler)
         self._thread = _Thread()
 
     def start(self) -> Claimed | None:
@@ -169,7 +162,7 @@ class ClaimedTransactions:
         settle = Batch(conn)
         if verdict.record is not None:
             settle.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
-        if call.savepoint and conn.pgconn.transaction_status in _OPEN:
+        if call.savepoint and conn.pgconn.transaction_status in OPEN:
             _end_savepoint(settle, keep=verdict.outcome in _KEPT)
         carry_out(self.queue, call.delivery, verdict, settle)
         if self._after_settle:
