@@ -100,7 +100,7 @@ class ReceivesMany(Protocol):
 
 @dataclass(slots=True)
 class Settlements:
-    """A batch's outcomes as a transport carries them out together (outcomes.carry_out_many):
+    """A batch's outcomes as a transport carries them out together (decide.settle.carry_out_many):
     acknowledged; requeued as contended (with their delays); retried (delays, errors); dead
     (reasons, bounded tracebacks)."""
 
@@ -108,27 +108,6 @@ class Settlements:
     contended: list[tuple[Delivery, float]]
     retried: list[tuple[Delivery, float, str]]
     dead: list[tuple[Delivery, str, str]]
-
-    def carry_out_others(self, transport: Transport, conn: Executor | None) -> None:
-        """Everything but the acknowledgements, one by one through the transport's requeue
-        and dead_letter, each whatever an earlier one raised (the first error is raised at
-        the end): for a transport whose settle_many batches only its acknowledgements."""
-        failed: Exception | None = None
-        for delivery, delay, error, contended in [
-            *((d, delay, "", True) for d, delay in self.contended),
-            *((d, delay, error, False) for d, delay, error in self.retried),
-        ]:
-            try:
-                transport.requeue(delivery, delay, conn, contended=contended, error=error)
-            except Exception as exc:
-                failed = failed or exc
-        for delivery, reason, trace in self.dead:
-            try:
-                transport.dead_letter(delivery, reason, conn, traceback=trace)
-            except Exception as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
 
 
 @runtime_checkable

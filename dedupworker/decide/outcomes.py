@@ -1,4 +1,4 @@
-"""The one place that decides what happens to a message, and how a transport carries it out."""
+"""The one place that decides what happens to a message (`decide/settle.py` carries it out)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from dedupworker.decide.keys import normalize_entity
 from dedupworker.errors import Reject, RetryLater
-from dedupworker.transport import Settlements, settles_many
 
 if TYPE_CHECKING:
-    from dedupworker.db.wire import Executor
     from dedupworker.message import Message
-    from dedupworker.transport import Delivery, Transport
+    from dedupworker.transport import Delivery
 
 
 class Policy(Protocol):
@@ -155,71 +153,3 @@ def on_failure(handler: Policy, delivery: Delivery, exc: Exception) -> Verdict:
     if delay is None:
         delay = handler.retry_delay(attempt)
     return Verdict(Outcome.RETRIED, delay=delay, reason=reason, error=exc)
-
-
-def carry_out(
-    transport: Transport,
-    delivery: Delivery,
-    verdict: Verdict,
-    conn: Executor | None,
-) -> None:
-    """Hand the verdict to the transport's ack / requeue / dead-letter (with the bounded
-    traceback of what raised, if anything did)."""
-    match verdict.outcome:
-        case Outcome.SUCCEEDED | Outcome.DUPLICATE:
-            transport.ack(delivery, conn)
-        case Outcome.CONTENDED:
-            transport.requeue(delivery, verdict.delay, conn, contended=True)
-        case Outcome.RETRIED:
-            transport.requeue(delivery, verdict.delay, conn, contended=False, error=verdict.reason)
-        case Outcome.DEAD_LETTERED:
-            trace = format_traceback(verdict.error)
-            transport.dead_letter(delivery, verdict.reason, conn, traceback=trace)
-
-
-def _carry_out_each(
-    transport: Transport,
-    deliveries: list[Delivery],
-    verdicts: list[Verdict],
-    conn: Executor | None,
-) -> None:
-    failed: Exception | None = None
-    for delivery, verdict in zip(deliveries, verdicts, strict=True):
-        try:
-            carry_out(transport, delivery, verdict, conn)
-        except Exception as exc:
-            failed = failed or exc
-    if failed is not None:
-        raise failed
-
-
-def carry_out_many(
-    transport: Transport,
-    deliveries: list[Delivery],
-    verdicts: list[Verdict],
-    conn: Executor | None,
-) -> None:
-    """A batch's verdicts, carried out together by a transport that can (`SettlesMany`: one
-    statement per outcome), or one by one (`carry_out`): each message's, whatever an earlier
-    one's raised (the first error is raised once all were carried out; the message it failed is
-    its transport's to keep, as after a per-message call)."""
-    many = settles_many(transport)
-    if many is None:
-        _carry_out_each(transport, deliveries, verdicts, conn)
-        return
-    settlements = Settlements([], [], [], [])
-    if verdicts.count(SUCCEEDED) == len(verdicts):
-        settlements.acks = deliveries  # the common batch
-        verdicts = []
-    for delivery, verdict in zip(deliveries, verdicts, strict=len(verdicts) > 0):
-        match verdict.outcome:
-            case Outcome.SUCCEEDED | Outcome.DUPLICATE:
-                settlements.acks.append(delivery)
-            case Outcome.CONTENDED:
-                settlements.contended.append((delivery, verdict.delay))
-            case Outcome.RETRIED:
-                settlements.retried.append((delivery, verdict.delay, verdict.reason))
-            case Outcome.DEAD_LETTERED:
-                trace = format_traceback(verdict.error)
-                settlements.dead.append((delivery, verdict.reason, trace))
-    many.settle_many(settlements, conn)

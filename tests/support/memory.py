@@ -23,7 +23,8 @@ from psycopg.pq import TransactionStatus
 
 from dedupworker import Handler, Message
 from dedupworker.decide.keys import LockKey
-from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.decide.outcomes import Outcome, Verdict
+from dedupworker.decide.settle import carry_out
 from dedupworker.engines.seams import Call
 from dedupworker.transport import Delivery
 

@@ -22,7 +22,8 @@ from psycopg_pool import ConnectionPool
 from dedupworker.db import sql
 from dedupworker.db.connect import give_back_broken
 from dedupworker.db.wire import Batch, Result
-from dedupworker.decide.outcomes import Verdict, carry_out_many
+from dedupworker.decide.outcomes import Verdict
+from dedupworker.decide.settle import carry_out_many
 from dedupworker.engines.common import GIVE_BACK_DELAY, OPEN
 from dedupworker.transport import Delivery, Receives, ReceivesMany
 

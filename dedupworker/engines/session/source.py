@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from dedupworker.decide.outcomes import Verdict, carry_out
+from dedupworker.decide.outcomes import Verdict
+from dedupworker.decide.settle import carry_out
 from dedupworker.engines.common import GIVE_BACK_DELAY
 from dedupworker.transport import Delivery, Receives, ReceivesMany
 

@@ -18,7 +18,8 @@ from dedupworker.db import sql
 from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.wire import Batch
 from dedupworker.decide.keys import LockKey
-from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.decide.outcomes import Outcome, Verdict
+from dedupworker.decide.settle import carry_out
 from dedupworker.engines.common import GIVE_BACK_DELAY
 from dedupworker.engines.seams import Call, Transactions
 from dedupworker.handler import Handler

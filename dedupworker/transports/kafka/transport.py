@@ -35,6 +35,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from dedupworker.config import WorkerConfig
+from dedupworker.decide.settle import carry_out_others
 from dedupworker.errors import TransportError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
@@ -156,7 +157,7 @@ class KafkaTransport:
         messages finished in one step of the buffer, the others one by one, each carried out
         whatever an earlier one raised (the first error is raised at the end)."""
         self._buffer.finish_many([delivery.receipt for delivery in settlements.acks])
-        settlements.carry_out_others(self, None)
+        carry_out_others(settlements, self, None)
 
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Any, *, traceback: str = ""

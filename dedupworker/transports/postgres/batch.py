@@ -27,7 +27,7 @@ from psycopg_pool import ConnectionPool
 from dedupworker.db import sql
 from dedupworker.db.connect import give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Result
-from dedupworker.decide.outcomes import carry_out_many
+from dedupworker.decide.settle import carry_out_many
 from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys, locked
 from dedupworker.engines.common import has_after_settle
 from dedupworker.handler import BatchHandler

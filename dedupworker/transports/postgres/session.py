@@ -16,7 +16,8 @@ import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dedupworker.db import sql
-from dedupworker.decide.outcomes import Verdict, carry_out
+from dedupworker.decide.outcomes import Verdict
+from dedupworker.decide.settle import carry_out
 from dedupworker.engines.session.source import QueuedStatements
 from dedupworker.message import Message
 from dedupworker.transport import Delivery

@@ -28,7 +28,8 @@ from dedupworker.db import sql
 from dedupworker.db.connect import fetch_flag, give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
-from dedupworker.decide.outcomes import Outcome, Verdict, carry_out
+from dedupworker.decide.outcomes import Outcome, Verdict
+from dedupworker.decide.settle import carry_out
 from dedupworker.engines.common import OPEN, has_after_settle
 from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler

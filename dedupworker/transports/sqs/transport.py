@@ -22,6 +22,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from dedupworker.config import WorkerConfig
+from dedupworker.decide.settle import carry_out_others
 from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
@@ -130,7 +131,7 @@ class SqsTransport:
         self._inbox.deleting(settlements.acks)
         for chunk in _chunks(settlements.acks):
             self._keeper.delete(chunk)
-        settlements.carry_out_others(self, None)
+        carry_out_others(settlements, self, None)
 
     def requeue(
         self, delivery: Delivery, delay: float, conn: Any, *, contended: bool, error: str = ""
