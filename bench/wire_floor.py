@@ -60,7 +60,7 @@ RELEASE = "RELEASE SAVEPOINT dedupworker_handler"
 
 def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
     """One thread's drain: the runner's statements for each job, until a claim finds none."""
-    claim_params = (QUEUE, None, NAMESPACE, NAMESPACE, NAMESPACE)
+    claim_params = (QUEUE, None, NAMESPACE, NAMESPACE, NAMESPACE, None)
     batch = wire.Batch(conn)
     batch.execute("BEGIN")
     claim = batch.execute(CLAIM, claim_params)
@@ -82,7 +82,7 @@ def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
         batch.execute(RELEASE)
         batch.execute(sql.ACK, (row[0],))
         batch.execute("COMMIT AND CHAIN")
-        claim = batch.execute(CLAIM, (QUEUE, float(row[-1]), NAMESPACE, NAMESPACE, NAMESPACE))
+        claim = batch.execute(CLAIM, (QUEUE, float(row[-1]), NAMESPACE, NAMESPACE, NAMESPACE, None))
         if given:
             batch.execute(SAVEPOINT)
         batch.run()

@@ -24,7 +24,10 @@ _JOB_FREE = f"""CASE
 # starts at the claiming thread's cursor (the epoch of the run_at it claimed last, as PostgreSQL
 # wrote it, read back less a millisecond for the float's rounding; NULL: the head of the ready
 # index), which the last column returns: from the head, it walks the index entries of every job
-# deleted since the table's last vacuum (see transports/postgres/transaction.py).
+# deleted since the table's last vacuum (see transports/postgres/transaction.py). With no entity
+# given, the entity's hint stands in for it: the value of the body's field that the last
+# parameter names as a regular expression (transports/postgres/hints.py; NULL: no hint),
+# computed once (OFFSET 0 keeps the planner from copying it into each use of `entity`).
 _CLAIM_LOCKING = """
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
@@ -38,8 +41,23 @@ WITH claimed AS (
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity, {lock}, extract(epoch FROM run_at)::text
-FROM claimed
+FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
+             coalesce(entity, {hint}) AS entity
+      FROM claimed
+      OFFSET 0) AS claimed
 """
+
+# An entity's hint (see _CLAIM_LOCKING): what the pattern captures in the body's text as JSON,
+# an integer or a string; NULL when the pattern is NULL or finds nothing. Never an error:
+# `encode(body, 'escape')` shows any byte (a backslash, a non-ASCII one) as an escape, which the
+# pattern's values cannot contain.
+_HINT = """(
+        SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
+                    ELSE to_jsonb(v::numeric) END
+        FROM (SELECT substring(encode(body, 'escape') FROM pattern) AS v
+              FROM (SELECT %s::text AS pattern) AS asked
+              WHERE pattern IS NOT NULL) AS found
+        WHERE v IS NOT NULL)"""
 
 # The same, passing over jobs whose given entity is locked (by another worker, or another
 # thread of this one): the lock is tried in the WHERE clause, on ready rows only, so the first
@@ -91,7 +109,8 @@ _LOCKS = {
        END""",
 }
 CLAIM_LOCKING = {
-    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT)
+    for mode, lock in _LOCKS.items()
 }
 CLAIM_SKIPPING = {
     mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()

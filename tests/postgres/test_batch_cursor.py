@@ -15,7 +15,8 @@ from dedupworker import BatchHandler, Message, enqueue
 from dedupworker.config import WorkerConfig
 from dedupworker.db.connect import open_pool
 from dedupworker.decide.outcomes import SUCCEEDED
-from dedupworker.transports.postgres import batches, cursor
+from dedupworker.transports.postgres import batch as batches
+from dedupworker.transports.postgres import cursor
 from dedupworker.transports.postgres.queue import PostgresTransport
 from tests.support.checked_calls import scalar
 

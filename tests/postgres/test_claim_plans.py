@@ -17,7 +17,8 @@ import pytest
 
 from dedupworker import enqueue
 from dedupworker.db import sql
-from dedupworker.transports.postgres import sessions as session_claims
+from dedupworker.transports.postgres import session as session_claims
+from dedupworker.transports.postgres.hints import pattern_for
 
 pytestmark = pytest.mark.postgres
 
@@ -69,17 +70,28 @@ CANDIDATES = session_claims.CANDIDATES_MIN
 CLAIMS: dict[str, Claim] = {
     "CLAIM_LOCKING int4": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, None, NS, NS, NS),
+        lambda ids: (QUEUE, None, NS, NS, NS, None),
         (),
         10,
     ),
     "CLAIM_LOCKING int4, from a cursor": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, ids.cursor, NS, NS, NS),
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, None),
         (),
         10,
     ),
-    "CLAIM_LOCKING hash64": (sql.CLAIM_LOCKING["hash64"], lambda ids: (QUEUE, None, NS), (), 10),
+    "CLAIM_LOCKING int4, from a cursor, with an entity hint": (
+        sql.CLAIM_LOCKING["int4"],
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, pattern_for("entity")),
+        (),
+        10,
+    ),
+    "CLAIM_LOCKING hash64": (
+        sql.CLAIM_LOCKING["hash64"],
+        lambda ids: (QUEUE, None, NS, None),
+        (),
+        10,
+    ),
     "CLAIM_SKIPPING int4": (
         sql.CLAIM_SKIPPING["int4"],
         lambda ids: (QUEUE, QUEUE, NS, NS, NS),

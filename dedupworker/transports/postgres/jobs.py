@@ -28,6 +28,7 @@ class Jobs(Transport, Protocol):
         lock: tuple[int, KeyMode],
         skip: bool = False,
         cursor: str | None = None,
+        hint: str | None = None,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened."""
 

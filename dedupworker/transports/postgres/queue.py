@@ -115,16 +115,18 @@ class PostgresTransport:
         lock: tuple[int, KeyMode],
         skip: bool = False,
         cursor: str | None = None,
+        hint: str | None = None,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
         of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
         with `skip` passes over jobs whose given entity is locked, if it can; else it starts
-        at `cursor` (a run_at its thread claimed before; None: the head)."""
+        at `cursor` (a run_at its thread claimed before; None: the head) and, with no entity
+        given, tries the lock of the one `hint` finds in the body (see hints.py)."""
         namespace, mode = lock
         namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         if skip:
             return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
-        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *namespaces))
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *namespaces, hint))
 
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a `claim` got (its row, the claim's run_at column aside)."""

@@ -35,6 +35,7 @@ from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler
 from dedupworker.transport import Delivery
 from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
+from dedupworker.transports.postgres.hints import EntityHints
 
 if TYPE_CHECKING:
     from dedupworker.transports.postgres.jobs import Jobs
@@ -95,6 +96,7 @@ class ClaimedTransactions:
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = has_after_settle(handler)
         self._thread = _Thread()
+        self._hints = EntityHints()
 
     def start(self) -> Claimed | None:
         """The job claimed ahead by this thread's last COMMIT, or one claimed now; nothing
@@ -124,8 +126,10 @@ class ClaimedTransactions:
         return Claimed(delivery, conn, claim, chain)
 
     def prelocked(self, call: Call, entity: int | str) -> bool | None:
-        """What the claim's try of the entity given at enqueue says of `entity`."""
-        ours = self.queue.given_lock(call.delivery, entity)
+        """What the claim's try of the entity given at enqueue (or hinted) says of `entity`."""
+        delivery = call.delivery
+        ours = self.queue.given_lock(delivery, entity)
+        self._hints.saw(delivery.message, entity, delivery.receipt.entity, ours)
         self._thread.savepoint_ahead = ours is not None
         return ours
 
@@ -222,7 +226,7 @@ class ClaimedTransactions:
         thread = self._thread
         skipping = not whole and time.monotonic() < thread.crowded_until
         cursor = None if whole or skipping else self._thread.claim_from()
-        rows = self.queue.claim(batch, self._lock, skipping, cursor)
+        rows = self.queue.claim(batch, self._lock, skipping, cursor, self._hints.pattern)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         savepoint = thread.savepoint_ahead

@@ -1,0 +1,110 @@
+"""Entity hints: the claim takes the entity's lock itself when the handler's entity is a
+top-level field of a JSON body, though the producer did not store it at enqueue.
+
+A message whose entity was not given at enqueue costs a round trip of its own for the lock: the
+worker must read the body and call `entity_id` before it knows what to lock. Most handlers'
+entity is one field of the body (`message.json()["customer_id"]`), so the worker learns which
+one: when, for `LEARN_AFTER` messages in a row, exactly one top-level field of the body equals
+the entity `entity_id` returned, the claims from then on find that field's value in the body
+(sql.CLAIM_LOCKING: a regular expression over the body's text, never an error whatever the
+body) and try its lock with the claim, as for an entity given at enqueue.
+
+A hint is never trusted: the worker still calls `entity_id` and uses what the claim locked only
+when it is the same entity (`PostgresTransport.given_lock`); otherwise it locks the right one in
+a round trip of its own, as without a hint (the hint's lock, held until COMMIT, only excludes
+more). A field whose hints keep missing is dropped (`MISSES_TO_DROP` of the last
+`MISS_WINDOW`), and a handler whose entity is no field of the body stops the learning after
+`GIVE_UP_AFTER` messages. Values found: integers and strings without escapes or non-ASCII
+characters (others make no hint, and cost the round trip).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dedupworker.decide.keys import InvalidEntity, normalize_entity
+from dedupworker.message import Message
+
+LEARN_AFTER = 3  # messages in a row whose entity is the same single field
+GIVE_UP_AFTER = 200  # messages looked at without learning a field: stop looking
+MISS_WINDOW = 50  # the last hints judged ...
+MISSES_TO_DROP = 10  # ... and how many of them may name another entity before the field goes
+_FIELD = re.compile(r"[A-Za-z0-9_]{1,63}")  # fields a hint is made for: no escaping needed
+
+
+def pattern_for(field: str) -> str:
+    """The regular expression (PostgreSQL's) that finds `"field": value` in a body's text and
+    captures the value: an integer, or a string without escapes (a backslash in the text means
+    an escape, or a non-ASCII byte as `encode(body, 'escape')` shows it)."""
+    return rf'"{field}"[[:space:]]*:[[:space:]]*(-?[0-9]+(?![.eE0-9])|"[^"\\]*")'
+
+
+class EntityHints:
+    """Which body field the claims of one handler's messages read their entity hint from.
+
+    Shared by the handler's threads; its counters are only advice, so they are updated without
+    a lock (a lost update delays learning or dropping by one message)."""
+
+    def __init__(self) -> None:
+        self.field: str | None = None
+        self.pattern: str | None = None  # pattern_for(field), sent with every claim
+        self._candidate: str | None = None
+        self._in_a_row = 0
+        self._looked_at = 0
+        self._judged: list[bool] = []  # the last MISS_WINDOW hints: True where it missed
+
+    def saw(self, message: Message, entity: int | str, hinted: Any, ours: bool | None) -> None:
+        """A message's entity, as `entity_id` gave it, beside what the claim found in it
+        (`hinted`: the entity stored or hinted, None if neither) and what that said (`ours`:
+        None when it was not the handler's entity)."""
+        if self.pattern is not None:
+            if hinted is not None:
+                self._judge(missed=ours is None)
+            return
+        if hinted is None and self._looked_at < GIVE_UP_AFTER:
+            self._learn(message, entity)
+
+    def _judge(self, missed: bool) -> None:
+        judged = self._judged
+        judged.append(missed)
+        if len(judged) > MISS_WINDOW:
+            del judged[0]
+        if judged.count(True) >= MISSES_TO_DROP:
+            self.field = self.pattern = None
+            self._judged = []
+            self._in_a_row = 0
+
+    def _learn(self, message: Message, entity: int | str) -> None:
+        self._looked_at += 1
+        field = _only_field_equal(message, entity)
+        if field is None or field != self._candidate:
+            self._candidate, self._in_a_row = field, 0 if field is None else 1
+            return
+        self._in_a_row += 1
+        if self._in_a_row >= LEARN_AFTER:
+            self.field, self.pattern = field, pattern_for(field)
+
+
+def _only_field_equal(message: Message, entity: int | str) -> str | None:
+    """The one top-level field of the message's JSON object that is `entity` (None: no body
+    object, no such field, or more than one)."""
+    try:
+        body = message.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    found = None
+    for name, value in body.items():
+        if type(value) not in (int, str) or not _FIELD.fullmatch(name):
+            continue
+        try:
+            same = normalize_entity(value) == entity
+        except InvalidEntity:
+            continue
+        if same:
+            if found is not None:
+                return None
+            found = name
+    return found

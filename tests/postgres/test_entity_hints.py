@@ -1,0 +1,73 @@
+"""Entity hints against PostgreSQL: over jobs enqueued plainly, the worker learns which body
+field is the entity and its claims take that entity's lock (as for an entity given at enqueue);
+a hint that names another entity is never trusted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker import WorkerConfig, enqueue
+from dedupworker.db.connect import open_pool
+from dedupworker.engines.transaction.engine import Runner
+from dedupworker.transports.postgres import PostgresTransport
+from dedupworker.transports.postgres.hints import LEARN_AFTER
+from tests.postgres.test_postgres import Scripted, calls
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def runner(dsn: str) -> Iterator[Runner]:
+    pool = open_pool(dsn, 2, 10)
+    yield Runner(Scripted(), PostgresTransport(WorkerConfig(dsn=dsn, queue="q"), pool), pool)
+    pool.close()
+
+
+def held_by_others(conn: psycopg.Connection[Any], entity: int) -> int:
+    """Sessions other than `conn`'s holding Scripted's lock of `entity` (int4 form)."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 30"
+        " AND objid = %s AND objsubid = 2 AND pid <> pg_backend_pid()",
+        (entity,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_claim_takes_the_learned_fields_lock(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    count = LEARN_AFTER + 3
+    enqueue(conn, "q", [{"entity": n, "amount": 100 + n} for n in range(count)])
+    for n in range(LEARN_AFTER):
+        assert runner.step(ahead=True) is True
+        # Learned with this message: the next one, claimed with its COMMIT, holds its entity's
+        # lock already; before, nothing did.
+        assert held_by_others(conn, n + 1) == (1 if n == LEARN_AFTER - 1 else 0)
+    while runner.step(ahead=True):
+        pass
+    runner.release()
+    assert (calls(conn), runner.stats) == (count, {"succeeded": count})
+
+
+def test_a_hint_that_names_another_entity_is_not_trusted(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    enqueue(conn, "q", [{"entity": n} for n in range(LEARN_AFTER)])
+    for _ in range(LEARN_AFTER):
+        assert runner.step(ahead=True) is True
+    runner.release()
+    # The pattern finds the nested field first: the hint is 99, the entity 5.
+    enqueue(conn, "q", [{"meta": {"entity": 99}, "entity": 5}])
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(30, 99)")  # the hint's entity: held elsewhere
+        assert runner.step() is True
+        assert runner.stats["succeeded"] == LEARN_AFTER + 1  # ran: 99 is not its entity
+        enqueue(conn, "q", [{"meta": {"entity": 99}, "entity": 6}])
+        other.execute("SELECT pg_advisory_lock(30, 6)")  # its own entity: held elsewhere
+        assert runner.step() is True
+        assert runner.stats["contended"] == 1
