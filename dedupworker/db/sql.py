@@ -59,9 +59,10 @@ _HINT = """(
               WHERE pattern IS NOT NULL) AS found
         WHERE v IS NOT NULL)"""
 
-# The same, passing over jobs whose given entity is locked (by another worker, or another
-# thread of this one): the lock is tried in the WHERE clause, on ready rows only, so the first
-# job whose entity is free is claimed, locked and all. Only among the first CLAIM_WINDOW ready
+# The same, passing over jobs whose given (or hinted: the last two parameters, as in
+# _CLAIM_LOCKING) entity is locked (by another worker, or another thread of this one): the lock
+# is tried in the WHERE clause, on ready rows only, so the first job whose entity is free (or
+# unknown) is claimed, locked and all. Only among the first CLAIM_WINDOW ready
 # jobs: a hot entity's backlog at the head of the queue costs a bounded scan; nothing found
 # there makes the runner claim again with CLAIM_LOCKING. A row whose entity lock this takes
 # and that another claimer has row-locked (one that locks the row before the entity: an older
@@ -78,9 +79,11 @@ WITH claimed AS (
            WHERE queue = %s AND status = 'ready'
            ORDER BY run_at, id OFFSET {CLAIM_WINDOW - 1} LIMIT 1),
           'infinity')
-      AND (entity IS NULL OR CASE
-          WHEN status = 'ready' AND run_at <= clock_timestamp() THEN {{lock}}
-      END)
+      AND CASE
+          WHEN status = 'ready' AND run_at <= clock_timestamp() THEN (
+              SELECT coalesce({{lock}}, true)
+              FROM (SELECT coalesce(jobs.entity, {{hint}}) AS entity OFFSET 0) AS hinted)
+      END
       AND {{job_free}}
     ORDER BY run_at, id
     LIMIT 1
@@ -88,7 +91,10 @@ WITH claimed AS (
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity, CASE WHEN entity IS NOT NULL THEN true END, extract(epoch FROM run_at)::text
-FROM claimed
+FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
+             coalesce(entity, {{hint}}) AS entity
+      FROM claimed
+      OFFSET 0) AS claimed
 """
 
 _LOCKS = {
@@ -113,7 +119,8 @@ CLAIM_LOCKING = {
     for mode, lock in _LOCKS.items()
 }
 CLAIM_SKIPPING = {
-    mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE) for mode, lock in _LOCKS.items()
+    mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT)
+    for mode, lock in _LOCKS.items()
 }
 
 # Transaction-scoped (SET LOCAL): safe behind a transaction pooler, gone at COMMIT.

@@ -94,7 +94,13 @@ CLAIMS: dict[str, Claim] = {
     ),
     "CLAIM_SKIPPING int4": (
         sql.CLAIM_SKIPPING["int4"],
-        lambda ids: (QUEUE, QUEUE, NS, NS, NS),
+        lambda ids: (QUEUE, QUEUE, NS, NS, NS, None, None),
+        (),
+        3 * sql.CLAIM_WINDOW,
+    ),
+    "CLAIM_SKIPPING int4, with an entity hint": (
+        sql.CLAIM_SKIPPING["int4"],
+        lambda ids: (QUEUE, QUEUE, NS, NS, NS, pattern_for("entity"), pattern_for("entity")),
         (),
         3 * sql.CLAIM_WINDOW,
     ),

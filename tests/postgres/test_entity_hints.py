@@ -71,3 +71,23 @@ def test_a_hint_that_names_another_entity_is_not_trusted(
         other.execute("SELECT pg_advisory_lock(30, 6)")  # its own entity: held elsewhere
         assert runner.step() is True
         assert runner.stats["contended"] == 1
+
+
+def test_a_crowded_thread_passes_over_jobs_whose_hinted_entity_is_held(
+    runner: Runner, conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    enqueue(conn, "q", [{"entity": n} for n in range(LEARN_AFTER)])
+    for _ in range(LEARN_AFTER):
+        assert runner.step() is True
+    enqueue(conn, "q", [{"entity": 50}, {"entity": 50}, {"entity": 51}])
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(30, 50)")
+        assert runner.step() is True  # the first job of 50: contended, and the thread crowded
+        assert runner.step() is True  # passes the second job of 50 over: 51 runs
+        assert (runner.stats["contended"], runner.stats["succeeded"]) == (1, LEARN_AFTER + 1)
+        # The second job of 50 was never claimed: still ready, no contention counted.
+        waiting = conn.execute(
+            "SELECT contentions FROM dedupworker.jobs WHERE body = %s ORDER BY id",
+            (b'{"entity":50}',),
+        ).fetchall()
+        assert waiting == [(1,), (0,)]

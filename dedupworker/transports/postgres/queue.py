@@ -120,12 +120,13 @@ class PostgresTransport:
         """Queue the claim of one job in the transaction already opened; it tries the lock
         of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
         with `skip` passes over jobs whose given entity is locked, if it can; else it starts
-        at `cursor` (a run_at its thread claimed before; None: the head) and, with no entity
-        given, tries the lock of the one `hint` finds in the body (see hints.py)."""
+        at `cursor` (a run_at its thread claimed before; None: the head). With no entity
+        given, either tries the lock of the one `hint` finds in the body (see hints.py)."""
         namespace, mode = lock
         namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         if skip:
-            return batch.execute(sql.CLAIM_SKIPPING[mode], (self.queue, self.queue, *namespaces))
+            params = (self.queue, self.queue, *namespaces, hint, hint)
+            return batch.execute(sql.CLAIM_SKIPPING[mode], params)
         return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *namespaces, hint))
 
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
