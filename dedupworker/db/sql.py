@@ -48,13 +48,13 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
 """
 
 # An entity's hint (see _CLAIM_LOCKING): what the pattern captures in the body's text as JSON,
-# an integer or a string; NULL when the pattern is NULL or finds nothing. Never an error:
-# `encode(body, 'escape')` shows any byte (a backslash, a non-ASCII one) as an escape, which the
-# pattern's values cannot contain.
+# an integer or a string; NULL when the pattern is NULL or finds nothing in the body's first
+# 8 KiB (a big body costs no more). Never an error: `encode(..., 'escape')` shows any byte (a
+# backslash, a non-ASCII one) as an escape, which the pattern's values cannot contain.
 _HINT = """(
         SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
                     ELSE to_jsonb(v::numeric) END
-        FROM (SELECT substring(encode(body, 'escape') FROM pattern) AS v
+        FROM (SELECT substring(encode(substr(body, 1, 8192), 'escape') FROM pattern) AS v
               FROM (SELECT %s::text AS pattern) AS asked
               WHERE pattern IS NOT NULL) AS found
         WHERE v IS NOT NULL)"""

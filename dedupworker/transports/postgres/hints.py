@@ -15,7 +15,7 @@ a round trip of its own, as without a hint (the hint's lock, held until COMMIT, 
 more). A field whose hints keep missing is dropped (`MISSES_TO_DROP` of the last
 `MISS_WINDOW`), and a handler whose entity is no field of the body stops the learning after
 `GIVE_UP_AFTER` messages. Values found: integers and strings without escapes or non-ASCII
-characters (others make no hint, and cost the round trip).
+characters, in the body's first 8 KiB (others make no hint, and cost the round trip).
 """
 
 from __future__ import annotations
