@@ -5,7 +5,7 @@
  * worker 0 makes two calls of one entity key K, one after the other (its turn for K), and
  * worker 1 makes CALLS_W1 (1; 2 with scripts/check-model --full).
  * PostgreSQL: a backend holds K shared any number of times (a count, as pg_locks shows);
- * sql.SESSION_LOCK (exclusive, then held shared) succeeds when no other backend holds K, as
+ * session_sql.SESSION_LOCK (exclusive, then held shared) succeeds when no other backend holds K, as
  * one step; the guard's pg_try_advisory_lock_shared succeeds on a live backend, or is refused
  * (an exclusive waiter). Backends die at any step (LOSSES deaths in all) with all their holds.
  * The engine (sessions/path.py, manager.py, lock_session.py): a call takes an open session as

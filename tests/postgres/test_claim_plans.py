@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue
-from dedupworker.db import sql
+from dedupworker.db import session_sql, sql
 from dedupworker.transports.postgres import session as session_claims
 from dedupworker.transports.postgres.hints import pattern_for
 
@@ -117,13 +117,13 @@ CLAIMS: dict[str, Claim] = {
         3 * BATCH * 4,
     ),
     "SESSION_CANDIDATES": (
-        sql.SESSION_CANDIDATES,
+        session_sql.SESSION_CANDIDATES,
         # the first 500 ready jobs in hand already, passed over
         lambda ids: (QUEUE, ids[:500], [], CANDIDATES, []),
         (),
         3 * (CANDIDATES + 500),
     ),
-    "SESSION_CLAIMED": (sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),
+    "SESSION_CLAIMED": (session_sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),
 }
 
 

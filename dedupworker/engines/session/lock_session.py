@@ -9,8 +9,8 @@ guards, or unlocks) the keys of many calls and one transaction commits many sett
               (one simple-query round trip; if it fails, each settlement alone, so that one
               bad settlement fails only itself)
     unlock    the shared holds of calls that ended without a settlement
-    lock      sql.SESSION_LOCK: taken exclusively, then held shared (see sql.py)
-    guard     sql.SESSION_GUARD: the shared hold that keeps a key while the primary dies
+    lock      session_sql.SESSION_LOCK: taken exclusively, then held shared (see that module)
+    guard     session_sql.SESSION_GUARD: the shared hold that keeps a key while the primary dies
     use       anything else, one caller at a time (the postgres queue's claims)
     confirm   nothing of its own: answered once the session answered a round trip sent after
               it (a call's guard joined the primary's hold only if the primary lived on)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg.pq import ConnStatus
 
-from dedupworker.db import sql
+from dedupworker.db import session_sql
 from dedupworker.decide.keys import SessionKey
 
 Conn = psycopg.AsyncConnection[Any]
@@ -70,8 +70,8 @@ class SettlementFailed(Exception):
 
 
 async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
-    """sql.SESSION_LOCK, then (in the same round trip, in a snapshot taken after the locks,
-    so that it sees every committed call of the entity) sql.SESSION_SEEN, then the handlers'
+    """session_sql.SESSION_LOCK, then (in the same round trip, in a snapshot taken after the locks,
+    so that it sees every committed call of the entity) session_sql.SESSION_SEEN, then the handlers'
     reads under the locks: one `Locked` per lock, in order."""
     keys = [lock.key for lock in locks]
     columns_ = (
@@ -82,10 +82,10 @@ async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
     )
     ledger = [lock.dedup for lock in locks if lock.dedup is not None]
     async with conn.pipeline():
-        locked = await conn.execute(sql.SESSION_LOCK, columns_)
+        locked = await conn.execute(session_sql.SESSION_LOCK, columns_)
         if ledger:
             scopes, dedups = [d[0] for d in ledger], [d[1] for d in ledger]
-            looked_up = await conn.execute(sql.SESSION_SEEN, (scopes, dedups))
+            looked_up = await conn.execute(session_sql.SESSION_SEEN, (scopes, dedups))
     taken: dict[int, Resolved] = {
         int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await locked.fetchall()
     }
@@ -122,16 +122,16 @@ async def _read(
 
 async def guard_keys(conn: Conn, keys: Sequence[Resolved]) -> set[int]:
     """Join the shared hold of each key: the indexes of the keys now held."""
-    cursor = await conn.execute(sql.SESSION_GUARD, columns(keys))
+    cursor = await conn.execute(session_sql.SESSION_GUARD, columns(keys))
     return {int(row[0]) - 1 for row in await cursor.fetchall()}
 
 
 async def unlock(conn: Conn, keys: Sequence[Resolved], jobs: Sequence[int]) -> None:
     async with conn.pipeline():
         if keys:
-            await conn.execute(sql.SESSION_UNLOCK, columns(keys))
+            await conn.execute(session_sql.SESSION_UNLOCK, columns(keys))
         if jobs:
-            await conn.execute(sql.SESSION_JOB_UNLOCK, (list(jobs),))
+            await conn.execute(session_sql.SESSION_JOB_UNLOCK, (list(jobs),))
 
 
 def broken(conn: Conn) -> bool:
@@ -145,9 +145,9 @@ def transaction(settlements: list[Settlement]) -> str:
     parts = ["BEGIN", *(s for settlement in settlements for s in settlement.statements), "COMMIT"]
     if keys:
         ns, k, single = columns(keys)
-        parts.append(_bound(sql.SESSION_UNLOCK, ns, k, single))
+        parts.append(_bound(session_sql.SESSION_UNLOCK, ns, k, single))
     if jobs:
-        parts.append(_bound(sql.SESSION_JOB_UNLOCK, jobs))
+        parts.append(_bound(session_sql.SESSION_JOB_UNLOCK, jobs))
     return ";\n".join(parts)
 
 

@@ -3,10 +3,10 @@
 A job is claimed by `pg_try_advisory_lock(sql.JOB_NAMESPACE, id)` on one of the engine's lock
 sessions (Que's way): no row lock and no transaction are held while its call runs, and when
 the worker dies its sessions end and its jobs are free at once, with no rescue timeout. Jobs
-are claimed many at a time (sql.SESSION_CLAIM), then read again in a snapshot taken after the
-locks (sql.SESSION_CLAIMED), so that a job settled by another worker just before is not run
-again. The settlement (delete, requeue, dead letter: `PostgresTransport`'s own statements)
-commits on the same session, before the job's lock is released.
+are claimed many at a time (session_sql.SESSION_CLAIM), then read again in a snapshot taken
+after the locks (session_sql.SESSION_CLAIMED), so that a job settled by another worker just
+before is not run again. The settlement (delete, requeue, dead letter: `PostgresTransport`'s
+own statements) commits on the same session, before the job's lock is released.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import collections
 import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dedupworker.db import sql
+from dedupworker.db import session_sql
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out
 from dedupworker.engines.session.source import QueuedStatements
@@ -38,7 +38,7 @@ PER_ENTITY = 2  # jobs in hand per entity given at enqueue: one running, the nex
 
 
 async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> list[int]:
-    cursor = await conn.execute(sql.SESSION_CLAIM, (jobs,))
+    cursor = await conn.execute(session_sql.SESSION_CLAIM, (jobs,))
     return [row[0] for row in await cursor.fetchall()]
 
 
@@ -63,7 +63,7 @@ class SessionClaims:
         self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
     ) -> list[Delivery]:
         """Claim up to `count` jobs on `session`: read candidates and read the claimed jobs
-        on a pooled connection, lock them on the session (sql.SESSION_CANDIDATES)."""
+        on a pooled connection, lock them on the session (session_sql.SESSION_CANDIDATES)."""
         assert session is not None
         if self.queue.paused is not None:
             return []
@@ -73,7 +73,7 @@ class SessionClaims:
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
         params = (self.queue.queue, list(self._held), full, limit, one)
         async with reads.connection() as conn:
-            cursor = await conn.execute(sql.SESSION_CANDIDATES, params)
+            cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
             candidates = [row[0] for row in await cursor.fetchall()]
         if not candidates:
             return []
@@ -81,7 +81,7 @@ class SessionClaims:
         if not locked:
             return []
         async with reads.connection() as conn:
-            rows = await (await conn.execute(sql.SESSION_CLAIMED, (locked,))).fetchall()
+            rows = await (await conn.execute(session_sql.SESSION_CLAIMED, (locked,))).fetchall()
         kept = rows[:count]
         taken = {row[0] for row in kept}
         spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra

@@ -1,0 +1,89 @@
+"""The session-lock engine's SQL (dedupworker.engines.session, and the postgres queue's claims
+for it in transports/postgres/session.py): its locks, guards, unlocks and ledger look-up on the
+lock sessions, and its claim of jobs by session locks."""
+
+from __future__ import annotations
+
+from dedupworker.db.sql import JOB_KEY
+
+# Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
+# returns each key as PostgreSQL's lock functions take it, (ns, k) or the one bigint `single`,
+# and the guard and unlock statements take those.
+_SESSION_KEYS = """
+SELECT i, ns,
+       CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
+       CASE WHEN wide THEN hashtextextended(txt, ns) END AS single
+FROM unnest(%s::int4[], %s::int4[], %s::text[], %s::bool[])
+     WITH ORDINALITY AS t(ns, num, txt, wide, i)
+OFFSET 0
+"""
+
+
+def _on_key(function: str) -> str:
+    return f"CASE WHEN single IS NULL THEN {function}(ns, k) ELSE {function}(single) END"
+
+
+# Taken exclusively (nobody holds the key in any mode), then held in shared mode: the lock
+# statement on the call's primary session, whose shared hold the guard session then joins, so
+# that the key stays held while either session lives. Anyone else takes the key exclusively
+# (the per-message engine, other SQL, another session-lock worker) and is refused while either
+# hold lasts. A shared hold refused (an exclusive waiter queued on the key) gives the key back.
+SESSION_LOCK = f"""
+SELECT i, ns, k, single FROM ({_SESSION_KEYS}) keys
+WHERE CASE WHEN {_on_key("pg_try_advisory_lock")} THEN
+          CASE WHEN {_on_key("pg_try_advisory_lock_shared")} THEN {_on_key("pg_advisory_unlock")}
+               ELSE NOT {_on_key("pg_advisory_unlock")} END
+      ELSE false END
+"""
+_RESOLVED = "unnest(%s::int4[], %s::int4[], %s::int8[]) WITH ORDINALITY AS t(ns, k, single, i)"
+# The ledger look-up of many calls, sent after their locks (it sees what their entities'
+# earlier calls committed): the (scope, key) pairs the ledger has.
+SESSION_SEEN = """
+SELECT p.scope, p.key
+FROM unnest(%s::text[], %s::text[]) AS t(scope, key)
+JOIN dedupworker.processed p ON p.scope = t.scope AND p.key = t.key
+"""
+SESSION_GUARD = f"SELECT i FROM {_RESOLVED} WHERE {_on_key('pg_try_advisory_lock_shared')}"
+SESSION_UNLOCK = (
+    f"SELECT count(*) FILTER (WHERE {_on_key('pg_advisory_unlock_shared')}) FROM {_RESOLVED}"
+)
+
+# The claim, in three statements. SESSION_CANDIDATES (on a pooled connection) reads ready jobs,
+# oldest first, that this worker does not hold (a session takes no key twice), with at most two
+# in hand per entity given at enqueue (one running, one waiting to run next): its parameters
+# are the ids in hand, the entities with two in hand (passed over) and those with one (one
+# more is taken); more of one entity could not run now. SESSION_CLAIM (on the lock session: the
+# only statement of the claim that needs it) locks each. SESSION_CLAIMED (pooled) reads them
+# again after the locks, in a snapshot taken after them: a job that another worker settled
+# (COMMIT, then unlock) just before our lock is gone by then: one primary-key look-up per id (the
+# OFFSET 0 keeps the planner from joining otherwise), the ready test in a CASE, out of its
+# sight. On a queue filled since its last ANALYZE, `id = ANY (...) AND status = 'ready'` read
+# the whole ready index (a bitmap scan of every ready job) for a few hundred ids, and without
+# the status test it read the whole table (tests/postgres/test_claim_plans.py).
+SESSION_CANDIDATES = """
+SELECT id FROM (
+    SELECT id, entity, row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
+    FROM (
+        SELECT id, entity, run_at FROM dedupworker.jobs
+        WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+          AND id NOT IN (SELECT unnest(%s::int8[]))
+          AND (entity IS NULL OR entity::text NOT IN (SELECT unnest(%s::text[])))
+        ORDER BY run_at, id
+        LIMIT %s
+    ) head
+) candidates
+WHERE entity IS NULL
+   OR nth <= CASE WHEN entity::text IN (SELECT unnest(%s::text[])) THEN 1 ELSE 2 END
+"""
+SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
+SESSION_CLAIMED = """
+SELECT j.id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
+       entity::text
+FROM unnest(%s::int8[]) AS t(id),
+     LATERAL (SELECT * FROM dedupworker.jobs WHERE jobs.id = t.id OFFSET 0) j
+WHERE CASE WHEN status = 'ready' THEN run_at <= clock_timestamp() ELSE false END
+ORDER BY run_at, j.id
+"""
+SESSION_JOB_UNLOCK = (
+    f"SELECT count(*) FILTER (WHERE pg_advisory_unlock({JOB_KEY})) FROM unnest(%s::int8[]) id"
+)
