@@ -21,12 +21,10 @@ from psycopg_pool import ConnectionPool
 from dedupworker._version import __version__
 from dedupworker.config import WorkerConfig
 from dedupworker.db.connect import open_pool
-from dedupworker.engines.batch.engine import BatchEngine
+from dedupworker.engines.choose import engine_for
 from dedupworker.engines.seams import Engine, Serves
-from dedupworker.engines.session import SessionEngine
-from dedupworker.engines.transaction.engine import Runner
 from dedupworker.errors import ConfigurationError
-from dedupworker.handler import BatchHandler, Handler
+from dedupworker.handler import Handler
 from dedupworker.observe import metrics
 from dedupworker.process.affinity import pin_process
 from dedupworker.process.health import Health
@@ -108,7 +106,8 @@ class Worker:
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
-            self.runners.append(self._engine(handler, transport, config))
+            engine = engine_for(handler, transport, pool, config, self.observing)
+            self.runners.append(engine)
             if isinstance(transport, Wakes):
                 self._wakes.append(transport)
             if isinstance(transport, ReportsDepth):
@@ -121,20 +120,6 @@ class Worker:
             metrics.WORKER_INFO.labels(*info).set(1)
             metrics.SECONDS_SINCE_PROGRESS.set_function(self.health.seconds_since_progress)
         self.scheduler = Scheduler(self.singletons, self.config, self._pool)
-
-    def _engine(self, handler: Handler, transport: Any, config: WorkerConfig) -> Engine | Serves:
-        """The engine the handler asks for: its lock_scope, or the batch engine for a
-        BatchHandler (see dedupworker.engines.seams)."""
-        assert self._pool is not None
-        if handler.lock_scope == "session":
-            engine = SessionEngine(handler, transport, config, self.observing)
-            engine.open()
-            return engine
-        if isinstance(handler, BatchHandler):
-            return BatchEngine(
-                handler, transport, self._pool, self.observing, self.config.concurrency
-            )
-        return Runner(handler, transport, self._pool, self.observing)
 
     def _session_handlers(self) -> list[Handler]:
         return [h for h in self.handlers if h.lock_scope == "session"]

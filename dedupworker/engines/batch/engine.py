@@ -62,7 +62,7 @@ class BatchEngine:
         self.recorder = Recorder(handler, transport.name, observe)
         self.hot = self.recorder.hot
         self.size = handler.batch_size
-        self.source = batch_source(transport, handler, pool, threads)
+        self.source = source_for(transport, handler, pool, threads)
         self._mode = handler.lock_key_mode
         self._splits = metrics.BATCH_SPLIT_CALLS.labels(handler.name)
 
@@ -256,7 +256,7 @@ class BatchEngine:
         call.savepoint = "clean"
 
 
-def batch_source(
+def source_for(
     transport: Transport, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
 ) -> BatchSource:
     """The source's own batches (the postgres queue, claimed by `threads` handler threads), or

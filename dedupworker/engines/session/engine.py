@@ -35,9 +35,9 @@ from dedupworker.engines.session.call import CallState, SessionCall
 from dedupworker.engines.session.lock_session import TCP_SETTINGS, LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.path import CallPath
-from dedupworker.engines.session.source import ReceivedSource, Source
+from dedupworker.engines.session.source import ClaimsOnSessions, ReceivedSessionCalls, SessionSource
 from dedupworker.engines.session.threads import DaemonThreads
-from dedupworker.errors import DatabaseUnavailable
+from dedupworker.errors import ConfigurationError, DatabaseUnavailable
 from dedupworker.handler import Handler
 from dedupworker.transport import Receives, Transport
 
@@ -108,7 +108,7 @@ class SessionEngine:
         self._loop.set_default_executor(DaemonThreads(DEFAULT_THREADS, f"{handler.name}-to-thread"))
         self._io = DaemonThreads(4, f"{handler.name}-io")
         threads = None if self._async else DaemonThreads(config.concurrency, f"{handler.name}-call")
-        self._source = source_of(transport, self._io)
+        self._source = source_for(transport, self._io)
         self._calls: dict[SessionCall, None] = {}
         self._room = asyncio.Event()
         self._late_ends: set[asyncio.Task[None]] = set()
@@ -345,15 +345,15 @@ class SessionEngine:
         await asyncio.wait(running, timeout=SHUTDOWN_GRACE)
 
 
-def source_of(transport: Transport, io: Executor) -> Source:
+def source_for(transport: Transport, io: Executor) -> SessionSource:
     """The transport's own session claims (the postgres queue), or a received message's."""
-    from dedupworker.engines.session.source import ClaimsOnSessions
-
     if isinstance(transport, ClaimsOnSessions):
         return transport.session_claims()
     if isinstance(transport, Receives):
-        return ReceivedSource(transport, io)
-    raise DatabaseUnavailable(f"transport {transport.name!r} cannot feed the session-lock engine")
+        return ReceivedSessionCalls(transport, io)
+    raise ConfigurationError(
+        f"transport {transport.name!r} neither receives messages nor claims them on sessions"
+    )
 
 
 def _no_reads(dsn: str, size: int) -> str:

@@ -41,7 +41,7 @@ from dedupworker.engines.session.call import CallState, SessionCall
 from dedupworker.engines.session.connection import AsyncCallConnection, CallConnection
 from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.engines.session.manager import LockSessions
-from dedupworker.engines.session.source import Source
+from dedupworker.engines.session.source import SessionSource
 from dedupworker.engines.session.statements import Lock, SessionLost, Settlement, SettlementFailed
 from dedupworker.engines.session.turns import AsyncTurns
 from dedupworker.handler import Handler
@@ -59,7 +59,7 @@ class CallPath:
     def __init__(
         self,
         handler: Handler,
-        source: Source,
+        source: SessionSource,
         sessions: LockSessions,
         *,
         recorder: Recorder,
@@ -356,7 +356,7 @@ class CallPath:
 
 def _statements(
     handler: Handler,
-    source: Source,
+    source: SessionSource,
     call: SessionCall,
     verdict: outcomes.Verdict,
     *,

@@ -1,10 +1,10 @@
 """Where the session-lock engine's messages come from, and how their outcomes go back.
 
-Source                  take, statements, jobs, carry_out, give_back
-├── ReceivedSource      (here) a transport that hands messages over (SQS, Kafka): received
-│                       on a thread, carried out after the settlement committed
-└── SessionClaims       (transports/postgres/session.py) the postgres queue: jobs claimed by
-                        session locks on a lock session, settled inside the settlement
+SessionSource            take, statements, jobs, carry_out, give_back
+├── ReceivedSessionCalls (here) a transport that hands messages over (SQS, Kafka): received on
+│                        a thread, carried out after the settlement committed
+└── ClaimedSessionCalls  (transports/postgres/session.py) the postgres queue: jobs claimed by
+                         session locks on a lock session, settled inside the settlement
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _NoRows:
 _NO_ROWS = _NoRows()
 
 
-class Source(Protocol):
+class SessionSource(Protocol):
     claims_on_sessions: bool  # `take` claims on the session it is given (postgres)
 
     async def take(
@@ -75,7 +75,7 @@ class Source(Protocol):
     def wait_for_work(self, stop: Any, timeout: float) -> None: ...
 
 
-class ReceivedSource:
+class ReceivedSessionCalls:
     """SQS and Kafka in the session-lock engine: received on threads, settled after COMMIT."""
 
     claims_on_sessions = False
@@ -131,4 +131,4 @@ class ClaimsOnSessions(Protocol):
     """Messages that are rows of the database, claimed for the session-lock engine by session
     locks on its lock sessions (see transports/postgres/session.py)."""
 
-    def session_claims(self) -> Source: ...
+    def session_claims(self) -> SessionSource: ...

@@ -49,7 +49,7 @@ class Runner:
         self.recorder = Recorder(handler, transport.name, observe)
         self.hot = self.recorder.hot
         self.turns = LocalTurns()
-        self.transactions = transactions_of(transport, handler, pool)
+        self.transactions = source_for(transport, handler, pool)
 
     @property
     def stats(self) -> collections.Counter[str]:
@@ -134,9 +134,7 @@ class Runner:
         return outcomes.on_success(dedup_key)
 
 
-def transactions_of(
-    transport: Transport, handler: Handler, pool: ConnectionPool[Any]
-) -> Transactions:
+def source_for(transport: Transport, handler: Handler, pool: ConnectionPool[Any]) -> Transactions:
     """The source's own transactions (the postgres queue), or a received message's."""
     if isinstance(transport, OpensTransactions):
         return transport.transactions(handler, pool)

@@ -24,7 +24,7 @@ from dedupworker.transports.postgres.transaction import ClaimedTransactions
 
 if TYPE_CHECKING:
     from dedupworker.engines.batch.source import BatchSource
-    from dedupworker.engines.session.source import Source
+    from dedupworker.engines.session.source import SessionSource
     from dedupworker.handler import BatchHandler, Handler
 
 log = logging.getLogger("dedupworker")
@@ -65,14 +65,14 @@ class PostgresTransport:
         (engines.transaction.source.OpensTransactions)."""
         return ClaimedTransactions(self, handler, pool)
 
-    def session_claims(self) -> Source:
+    def session_claims(self) -> SessionSource:
         """Jobs claimed by session locks, for the session-lock engine
         (engines.session.source.ClaimsOnSessions)."""
         from dedupworker.transports.postgres.session import (
-            SessionClaims,  # it builds Jobs: imported once this module is
+            ClaimedSessionCalls,  # it builds Jobs: imported once this module is
         )
 
-        return SessionClaims(self)
+        return ClaimedSessionCalls(self)
 
     def batch_claims(
         self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int

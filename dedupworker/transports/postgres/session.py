@@ -49,8 +49,8 @@ class SessionJob(NamedTuple):
     entity: str | None
 
 
-class SessionClaims:
-    """`dedupworker.engines.session.source.Source` for the postgres queue."""
+class ClaimedSessionCalls:
+    """`dedupworker.engines.session.source.SessionSource` for the postgres queue."""
 
     claims_on_sessions = True
 
