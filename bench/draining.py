@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,6 +93,29 @@ def children_cpu() -> float:
 def self_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def run_threads(
+    dsn: str,
+    concurrency: int,
+    loop: Callable[[psycopg.Connection[Any]], int],
+    setup: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> Measure:
+    """`loop` on `concurrency` threads of this process, each on its own autocommit connection
+    (readied by `setup`), until each returns its count: their messages, time and this
+    process's CPU."""
+    conns = [psycopg.connect(dsn, autocommit=True) for _ in range(concurrency)]
+    try:
+        for conn in conns:
+            if setup is not None:
+                setup(conn)
+        cpu, started = self_cpu(), time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            done = sum(pool.map(loop, conns))
+        return Measure(done, time.perf_counter() - started, self_cpu() - cpu)
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 class Watcher:

@@ -42,11 +42,8 @@ import os
 import platform
 import shlex
 import statistics
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any, TypeVar
 
 import psycopg
@@ -62,7 +59,7 @@ from bench.draining import (
     run_dedupworker,
     run_idle_worker,
     run_pgbench,
-    self_cpu,
+    run_threads,
 )
 from bench.server_cpu import NA, postmaster_pid, readable
 from dedupworker import Message
@@ -222,15 +219,7 @@ def plain_loop(conn: psycopg.Connection[Any], queue: str) -> int:
 
 
 def run_plain(dsn: str, queue: str, concurrency: int) -> Measure:
-    conns = [psycopg.connect(dsn, autocommit=True) for _ in range(concurrency)]
-    try:
-        cpu, started = self_cpu(), time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            done = sum(pool.map(plain_loop, conns, repeat(queue)))
-        return Measure(done, time.perf_counter() - started, self_cpu() - cpu)
-    finally:
-        for conn in conns:
-            conn.close()
+    return run_threads(dsn, concurrency, functools.partial(plain_loop, queue=queue))
 
 
 # --- the run -----------------------------------------------------------------------------

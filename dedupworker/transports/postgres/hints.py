@@ -21,6 +21,7 @@ characters, in the body's first 8 KiB (others make no hint, and cost the round t
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any
 
 from dedupworker.decide.keys import InvalidEntity, normalize_entity
@@ -52,7 +53,9 @@ class EntityHints:
         self._candidate: str | None = None
         self._in_a_row = 0
         self._looked_at = 0
-        self._judged: list[bool] = []  # the last MISS_WINDOW hints: True where it missed
+        # The last MISS_WINDOW hints judged (True: it missed) and how many of them missed.
+        self._judged: deque[bool] = deque(maxlen=MISS_WINDOW)
+        self._misses = 0
 
     def saw(self, message: Message, entity: int | str, hinted: Any, ours: bool | None) -> None:
         """A message's entity, as `entity_id` gave it, beside what the claim found in it
@@ -67,13 +70,18 @@ class EntityHints:
 
     def _judge(self, missed: bool) -> None:
         judged = self._judged
+        if len(judged) == MISS_WINDOW:
+            self._misses -= judged[0]  # about to fall out of the window
         judged.append(missed)
-        if len(judged) > MISS_WINDOW:
-            del judged[0]
-        if judged.count(True) >= MISSES_TO_DROP:
-            self.field = self.pattern = None
-            self._judged = []
-            self._in_a_row = 0
+        self._misses += missed
+        if self._misses >= MISSES_TO_DROP:
+            self._use(None)
+
+    def _use(self, field: str | None) -> None:
+        """Hint from `field` from now on (None: no hint, and learning starts over)."""
+        self.field, self.pattern = field, None if field is None else pattern_for(field)
+        self._judged.clear()
+        self._misses = self._in_a_row = 0
 
     def _learn(self, message: Message, entity: int | str) -> None:
         self._looked_at += 1
@@ -83,7 +91,7 @@ class EntityHints:
             return
         self._in_a_row += 1
         if self._in_a_row >= LEARN_AFTER:
-            self.field, self.pattern = field, pattern_for(field)
+            self._use(field)
 
 
 def _only_field_equal(message: Message, entity: int | str) -> str | None:
