@@ -65,8 +65,10 @@ class WorkerProcesses:
                 proc.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"worker {proc.pid} never drained:\n{self.log(proc)[-3000:]}")
-            expected = -signal.SIGKILL if proc.pid in self.killed else 0
-            assert proc.returncode == expected, self.log(proc)[-3000:]
+            # A worker the test killed may have drained and exited 0 an instant before the
+            # SIGKILL reached it (killing an exited process does nothing): both are clean.
+            allowed = (-signal.SIGKILL, 0) if proc.pid in self.killed else (0,)
+            assert proc.returncode in allowed, self.log(proc)[-3000:]
             self.reaped += 1
 
     def drain(self, processes: int, fault: Callable[[threading.Event], None]) -> None:
