@@ -1,6 +1,9 @@
-"""Threads of one worker take turns on an entity before they ask PostgreSQL for its lock.
+"""The messages of one entity take turns inside one worker before they ask PostgreSQL for its
+lock: `LocalTurns` for the per-message engine's threads, `AsyncTurns` for the session-lock
+engine's event loop. The advisory lock stays the only thing that excludes; turns only save
+round trips (and, on the event loop, keep a session from taking one key twice).
 
-A message whose entity another thread of this process is running would meet a held advisory
+Threads: a message whose entity another thread of this process is running would meet a held advisory
 lock, be requeued with backoff and claimed again later: a whole extra transaction for nothing.
 Instead one thread per entity waits here (up to `Handler.local_wait`) for the running one to
 commit, then takes the lock itself. Only one waits: the next message of the same entity is
@@ -10,8 +13,11 @@ stays the only thing that excludes; this only saves round trips inside one proce
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
 from collections.abc import Hashable
+from typing import Protocol
 
 WAITERS = 1  # threads allowed to wait for one entity, besides the one running it
 
@@ -60,3 +66,55 @@ class LocalTurns:
             turn.users -= 1
             if turn.users == 0:
                 del self._turns[key]
+
+
+class HoldsTurn(Protocol):
+    """A call as `AsyncTurns` sees it: the key whose turn it holds, and whether it waited."""
+
+    turn: Hashable | None
+    met_busy: bool
+
+
+class AsyncTurns:
+    """Turns on one event loop: the messages of one entity run one at a time, in the order they
+    came; every one waits (no limit, no timeout: the loop holds no thread while it waits)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
+
+    async def take(self, call: HoldsTurn, key: Hashable) -> None:
+        """Wait, in order, while another message of this entity runs in this process."""
+        waiters = self._waiting.get(key)
+        if waiters is None:
+            self._waiting[key] = collections.deque()
+        else:
+            call.met_busy = True
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiters.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled() and turn.exception() is None:
+                    call.turn = key  # granted just before the cancel: `end` passes it on
+                raise
+        call.turn = key
+
+    def end(self, call: HoldsTurn) -> None:
+        """The call's turn passes to the next waiting message of its entity."""
+        key, call.turn = call.turn, None
+        if key is None:
+            return
+        waiters = self._waiting[key]
+        while waiters:
+            turn = waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        del self._waiting[key]
+
+    def stop(self, error: Exception) -> None:
+        """Stopping: every waiting message goes back at once, `error` raised in its `take`."""
+        for waiters in self._waiting.values():
+            for turn in waiters:
+                if not turn.done():
+                    turn.set_exception(error)

@@ -1,6 +1,7 @@
 """Faults against the batch engine on the postgres queue, judged by the independent checker.
 
-As in tests/postgres/test_faults.py, whose helpers these reuse: real worker processes (here
+As in tests/postgres/test_transaction_faults.py, whose helpers these reuse: real worker
+processes (here
 `tests.support.batch_handlers:CheckedBatch`, the checker's `BatchCheckedHandler` with quick
 retries: batches of up to 20, 3 processes of 2 handler threads) drain messages over a dozen hot
 entities plus a few poison messages, which the engine's halving must find, while one kind of
@@ -22,7 +23,7 @@ import pytest
 
 from dedupworker import enqueue
 from dedupworker.testing.checking import Report, check, create_tables
-from tests.postgres.test_faults import ENTITIES, PROCESSES, Run, every_other_entity
+from tests.postgres.test_transaction_faults import ENTITIES, PROCESSES, Run, every_other_entity
 from tests.support.checked_calls import scalar
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]

@@ -15,7 +15,7 @@ from dedupworker.db.connect import open_pool
 from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.transports.postgres.hints import LEARN_AFTER
-from tests.postgres.test_postgres import Scripted, calls
+from tests.postgres.test_transaction import Scripted, calls
 
 pytestmark = pytest.mark.postgres
 

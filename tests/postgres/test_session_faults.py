@@ -1,7 +1,8 @@
 """Faults against the session-lock engine (`lock_scope = "session"`) on the postgres queue,
 judged by the independent checker.
 
-As in tests/postgres/test_faults.py, whose helpers these reuse: real worker processes (here
+As in tests/postgres/test_transaction_faults.py, whose helpers these reuse: real worker
+processes (here
 `dedupworker.testing.checking_sessions:SessionCheckedHandler`, an `async def handle`, or its plain-
 function twin run on threads; 50 calls in flight each, on 2 lock sessions) drain messages over a
 few hot entities plus one poison message while one kind of fault is injected. Each test asserts
@@ -39,7 +40,13 @@ from dedupworker.engines.session.lock_session import Lock, LockSession, Settleme
 from dedupworker.process.worker import _on_stop
 from dedupworker.testing.checking import overlapping_calls
 from dedupworker.testing.checking_sessions import create_session_tables
-from tests.postgres.test_faults import Run, assert_clean, fill, handlers_running, run_with
+from tests.postgres.test_transaction_faults import (
+    Run,
+    assert_clean,
+    fill,
+    handlers_running,
+    run_with,
+)
 from tests.support.acceptance import worker
 from tests.support.checked_calls import scalar
 from tests.support.proxy import Proxy
@@ -47,8 +54,8 @@ from tests.support.session_handlers import TABLES
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 
-# 50 messages per hot entity (test_faults.ENTITIES = 12) of 100 ms each: while the locks hold,
-# the drain lasts at least 5 s after the first call, longer than any fault below takes.
+# 50 messages per hot entity (test_transaction_faults.ENTITIES = 12) of 100 ms each: while the
+# locks hold, the drain lasts at least 5 s after the first call, longer than any fault below takes.
 MESSAGES = 600
 WORK_MS = 100
 KILLS = 10

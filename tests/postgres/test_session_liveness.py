@@ -33,7 +33,7 @@ from dedupworker import Message, enqueue
 from dedupworker.testing.checking import check
 from dedupworker.testing.checking_sessions import create_session_tables
 from tests.conftest import clean_env
-from tests.postgres.test_faults import handlers_running
+from tests.postgres.test_transaction_faults import handlers_running
 from tests.support.checked_calls import scalar
 from tests.support.proxy import Proxy
 from tests.support.session_window import job_messages, outside_window, unguarded_cut_offs

@@ -1,5 +1,5 @@
 """Batch handlers (`dedupworker.BatchHandler`) for the batch engine's tests over a real Kafka
-broker and real SQS endpoints (tests/kafka/test_batches_kafka.py, tests/sqs/test_batches_sqs.py),
+broker and real SQS endpoints (tests/kafka/test_batch.py, tests/sqs/test_batch.py),
 run by real `dedupworker run` processes, and the queries that read back what they recorded.
 
 `RecordedBatch` writes, in the batch's transaction (so that only committed calls leave rows):

@@ -1,5 +1,5 @@
 """Batch handlers (`dedupworker.BatchHandler`) of the batch engine's tests on the postgres queue
-(tests/postgres/test_batches.py, test_batch_faults.py), run by real `dedupworker run` processes.
+(tests/postgres/test_batch.py, test_batch_faults.py), run by real `dedupworker run` processes.
 
 `Tally` logs every call of `handle_batch` in `batch_calls`, from a connection of its own for the
 call (autocommit, to DEDUPWORKER_DSN: a call that raised, whose writes the engine rolled back, is

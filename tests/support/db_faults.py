@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from dedupworker.testing.checking import check, overlapping_calls
-from tests.postgres.test_faults import handlers_running
+from tests.postgres.test_transaction_faults import handlers_running
 from tests.support.proxy import Proxy
 
 

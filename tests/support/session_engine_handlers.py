@@ -1,4 +1,4 @@
-"""Handlers of the session-lock engine's own tests (tests/postgres/test_sessions.py).
+"""Handlers of the session-lock engine's own tests (tests/postgres/test_session.py).
 
 Every call is logged in `engine_calls` (message, entity, engine, start and end by the worker's
 clock) with a write that commits with the call's outcome: queued into the settlement by the

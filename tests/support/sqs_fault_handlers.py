@@ -1,4 +1,5 @@
-"""Handlers for tests/sqs/test_faults_sqs.py, run by real `dedupworker run --transport sqs`."""
+"""Handlers for tests/sqs/test_transaction_faults.py, run by real
+`dedupworker run --transport sqs`."""
 
 from __future__ import annotations
 

@@ -35,3 +35,16 @@ def test_every_module_is_named_on_the_map_once() -> None:
     assert len(rows) == len(set(rows)), "a module named twice in docs/architecture.md"
     unnamed = sorted(modules() - set(rows))
     assert not unnamed, f"modules missing from docs/architecture.md's table: {unnamed}"
+
+
+def test_the_tests_are_tiered_like_the_package() -> None:
+    """Every `decide/` module has its unit test file; every engine on every transport its
+    integration test file (docs/architecture.md, "Tests")."""
+    decide = sorted(p.stem for p in (PACKAGE / "decide").glob("*.py") if p.stem != "__init__")
+    engines = sorted(p.name for p in (PACKAGE / "engines").iterdir() if (p / "engine.py").is_file())
+    transports = sorted(p.parent.name for p in (PACKAGE / "transports").glob("*/__init__.py"))
+    assert len(decide) >= 4 and len(engines) == 3 and len(transports) == 3, (decide, engines)
+    wanted = [f"tests/unit/decide/test_{module}.py" for module in decide]
+    wanted += [f"tests/{t}/test_{e}.py" for t in transports for e in engines]
+    missing = [path for path in wanted if not (ROOT / path).is_file()]
+    assert not missing, f"test files the tiers want and the suite lacks: {missing}"

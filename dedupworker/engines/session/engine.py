@@ -36,6 +36,7 @@ from dedupworker.engines.session.lock_session import TCP_SETTINGS, LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.path import CallPath
 from dedupworker.engines.session.source import ClaimsOnSessions, ReceivedSessionCalls, SessionSource
+from dedupworker.engines.session.statements import SessionLost
 from dedupworker.engines.session.threads import DaemonThreads
 from dedupworker.errors import ConfigurationError, DatabaseUnavailable
 from dedupworker.handler import Handler
@@ -323,7 +324,7 @@ class SessionEngine:
     async def _finish(self) -> None:
         """Stopping: calls waiting for their turn go back at once; running ones get
         --shutdown-timeout to finish, then are cut off (their messages come back)."""
-        self.path.turns.stop()
+        self.path.turns.stop(SessionLost("the worker is stopping"))
         tasks = [call.task for call in self._calls if call.task is not None]
         if not tasks:
             return

@@ -35,6 +35,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from dedupworker.db import sql
 from dedupworker.decide import outcomes
 from dedupworker.decide.keys import session_key
+from dedupworker.decide.turns import AsyncTurns
 from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
 from dedupworker.engines.session.call import CallState, SessionCall
@@ -43,7 +44,6 @@ from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.source import SessionSource
 from dedupworker.engines.session.statements import Lock, SessionLost, Settlement, SettlementFailed
-from dedupworker.engines.session.turns import AsyncTurns
 from dedupworker.handler import Handler
 from dedupworker.observe import metrics
 

@@ -12,7 +12,7 @@ their reason, and the group's committed offsets at the end of every partition, p
 too.
 
 Where a test needs work left whatever the machine's speed (a rebalance mid-run), the gate of
-tests/kafka/test_faults_kafka.py holds it: the test holds the lock of the checker's entity e0,
+tests/kafka/test_transaction_faults.py holds it: the test holds the lock of the checker's entity e0,
 whose messages stay contended at the head of their key until it is released.
 """
 
@@ -29,8 +29,7 @@ import pytest
 
 from dedupworker.testing.checking import create_tables
 from dedupworker.transports.kafka.dead_letter import REASON
-from tests.kafka.test_faults_kafka import gate
-from tests.kafka.test_sessions_kafka import (
+from tests.kafka.test_session import (
     Body,
     Topic,
     Workers,
@@ -43,6 +42,7 @@ from tests.kafka.test_sessions_kafka import (
     until,
     workers_of,
 )
+from tests.kafka.test_transaction_faults import gate
 from tests.support.batch_broker_handlers import (
     MAX_ATTEMPTS,
     TABLES,

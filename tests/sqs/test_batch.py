@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from dedupworker.engines.batch.source import RECEIVE_MAX
-from tests.sqs.test_sessions_sqs import (
+from tests.sqs.test_session import (
     MAX_RECEIVE_COUNT,
     VISIBILITY,
     Body,

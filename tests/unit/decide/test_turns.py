@@ -1,0 +1,108 @@
+"""Turns: the messages of one entity take turns inside one worker, `LocalTurns` on threads and
+`AsyncTurns` on an event loop (pure logic, no database)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Hashable
+
+import pytest
+
+from dedupworker.decide.turns import AsyncTurns, LocalTurns
+
+
+def test_one_thread_waits_for_the_running_one_and_a_third_is_turned_away() -> None:
+    turns = LocalTurns()
+    order: list[str] = []
+
+    assert turns.take("a", wait=5)
+    order.append("first")
+
+    def second() -> None:
+        got = turns.take("a", wait=5)
+        order.append(f"second {got}")
+        if got:
+            turns.give_back("a")
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    while turns._turns["a"].users < 2:  # the second thread is waiting now
+        threading.Event().wait(0.01)
+    assert turns.take("a", wait=5) is False  # one running, one waiting: requeue instead
+    assert turns.take("b", wait=0) is True  # other entities are never held up
+    turns.give_back("b")
+    order.append("first done")
+    turns.give_back("a")
+    waiter.join(5)
+    assert order == ["first", "first done", "second True"]
+    assert turns._turns == {}
+
+
+def test_a_wait_that_runs_out_gives_no_turn() -> None:
+    turns = LocalTurns()
+    assert turns.take(("k", 1), wait=0)
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(turns.take(("k", 1), 0.05)))
+    waiter.start()
+    waiter.join(5)
+    assert result == [False]
+    turns.give_back(("k", 1))
+    assert turns.take(("k", 1), wait=0) is True
+    turns.give_back(("k", 1))
+    assert turns._turns == {}
+
+
+class Holder:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.turn: Hashable | None = None
+        self.met_busy = False
+
+
+def test_on_the_event_loop_every_message_of_an_entity_waits_and_runs_in_the_order_it_came() -> None:
+    order: list[str] = []
+
+    async def run(turns: AsyncTurns, call: Holder, key: str) -> None:
+        await turns.take(call, key)
+        order.append(f"{call.name} starts")
+        await asyncio.sleep(0)  # let the others queue up behind it
+        order.append(f"{call.name} ends")
+        turns.end(call)
+
+    async def main() -> list[Holder]:
+        turns = AsyncTurns()
+        calls = [Holder(name) for name in ("a1", "a2", "b1", "a3")]
+        keys = ["a", "a", "b", "a"]
+        await asyncio.gather(*(run(turns, c, k) for c, k in zip(calls, keys, strict=True)))
+        assert turns._waiting == {}
+        return calls
+
+    calls = asyncio.run(main())
+    a_only = [step for step in order if step.startswith("a")]
+    assert a_only == ["a1 starts", "a1 ends", "a2 starts", "a2 ends", "a3 starts", "a3 ends"]
+    assert order.index("b1 starts") < order.index("a1 ends")  # another entity is not held up
+    assert [c.met_busy for c in calls] == [False, True, False, True]
+    assert all(c.turn is None for c in calls)
+
+
+def test_a_waiter_cancelled_passes_nothing_on_and_stopping_fails_every_waiter() -> None:
+    async def main() -> None:
+        turns = AsyncTurns()
+        first, cancelled, stopped = Holder("1"), Holder("2"), Holder("3")
+        await turns.take(first, "k")
+        waiting = asyncio.ensure_future(turns.take(cancelled, "k"))
+        behind = asyncio.ensure_future(turns.take(stopped, "k"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert cancelled.turn is None
+        turns.stop(RuntimeError("stopping"))
+        with pytest.raises(RuntimeError, match="stopping"):
+            await behind
+        assert first.turn == "k"
+        turns.end(first)
+        assert turns._waiting == {}
+
+    asyncio.run(main())
