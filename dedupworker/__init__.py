@@ -21,6 +21,7 @@ from dedupworker.message import Message
 from dedupworker.process.singleton import Singleton
 from dedupworker.process.worker import Worker
 from dedupworker.producer import enqueue
+from dedupworker.queues import QueueSettings, set_queue
 
 __all__ = [
     "AsyncCallConnection",
@@ -34,6 +35,7 @@ __all__ = [
     "LockKey",
     "Message",
     "Outcome",
+    "QueueSettings",
     "Reject",
     "RetryLater",
     "SchemaMissing",
@@ -47,4 +49,5 @@ __all__ = [
     "load_handler",
     "lock_key",
     "migrate",
+    "set_queue",
 ]

@@ -13,6 +13,7 @@ import psycopg
 import tenacity
 from tenacity.wait import wait_base
 
+from dedupworker.db.order import ORDER_NAMESPACE
 from dedupworker.db.schema import INTERNAL_NAMESPACE
 from dedupworker.db.sql import JOB_NAMESPACE
 from dedupworker.decide.keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
@@ -65,6 +66,10 @@ class Handler:
     # The dedup ledger's namespace for this handler's keys (default: the class name). Handlers
     # that must not apply the same business key twice between them share one scope.
     dedup_scope: ClassVar[str | None] = None
+    # True: this handler serves an ordered queue (`dedupworker queues set NAME --ordered`),
+    # whose jobs of one entity run one at a time in enqueue order (docs/order.md). A handler
+    # and its queue must agree: the worker refuses to start otherwise.
+    ordered: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -195,6 +200,7 @@ def backoff_seconds(wait: wait_base, attempt: int) -> float:
 RESERVED_NAMESPACES = {
     INTERNAL_NAMESPACE: "dedupworker's own locks (migrations, singletons)",
     JOB_NAMESPACE: "the postgres queue's job claims",
+    ORDER_NAMESPACE: "the lines of ordered queues",
 }
 
 
@@ -219,6 +225,8 @@ def validate_handler(handler: Handler) -> None:
     wait = cls.local_wait
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
         raise ConfigurationError(f"{cls.__name__}.local_wait must be seconds from 0 to 3600")
+    if not isinstance(cls.ordered, bool):
+        raise ConfigurationError(f"{cls.__name__}.ordered = {cls.ordered!r}; give True or False")
     _check_batch(cls)
     for method in ("entity_id", "handle"):
         if getattr(cls, method) is getattr(Handler, method):

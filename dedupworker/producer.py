@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 from dedupworker.config import check_queue_name
 from dedupworker.db import sql
 from dedupworker.decide.keys import InvalidEntity, normalize_entity
+from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 
 Body = bytes | str | Mapping[str, Any] | list[Any]
@@ -96,5 +97,12 @@ def _insert(
     bodies = [body for body, _ in batch]
     entities = [entity for _, entity in batch]
     params = (queue, delay, bodies, [headers] * len(batch), entities)
-    rows = conn.execute(sql.ENQUEUE, params).fetchall()
+    try:
+        rows = conn.execute(sql.ENQUEUE, params).fetchall()
+    except psycopg.errors.NotNullViolation as exc:
+        if exc.diag.message_primary and "is ordered" in exc.diag.message_primary:
+            raise ConfigurationError(
+                f"{exc.diag.message_primary}: {exc.diag.message_hint}"
+            ) from None
+        raise
     return [row[0] for row in rows]

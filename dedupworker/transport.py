@@ -7,6 +7,8 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     │                     session-lock and batch engines)
     ├── SettlesMany       settle_many: many outcomes carried out in set-based statements
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
+    ├── ChecksOrder       check_order: keeps each entity's messages in order for a handler
+    │                     with `ordered = True` (the postgres queue); others refuse one
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
 
 A source whose messages are rows of the database brings its own way to take them for each
@@ -135,6 +137,24 @@ class Wakes(Protocol):
     """Handler threads waiting for work can be woken at once (the worker stops)."""
 
     def wake_all(self) -> None: ...
+
+
+class MayBeOrdered(Protocol):
+    """A handler as ChecksOrder sees it: its name, and whether it wants order."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ordered(self) -> bool: ...
+
+
+@runtime_checkable
+class ChecksOrder(Protocol):
+    """Keeps an entity's messages in order when its queue is declared so (docs/order.md):
+    refuses, at start, a handler whose `ordered` is not its queue's."""
+
+    def check_order(self, handler: MayBeOrdered) -> None: ...
 
 
 @runtime_checkable

@@ -131,6 +131,55 @@ CREATE INDEX throughput_minute_idx ON dedupworker.throughput (minute);
 CREATE INDEX jobs_dead_entity_idx ON dedupworker.jobs (entity) WHERE status = 'dead';
 """
 
+# Ordered queues (docs/order.md): a queue declared ordered runs each entity's jobs one at a
+# time in enqueue order. Only the head of an entity's line is 'ready' (claimable); the jobs
+# behind it are 'waiting' (in no claim's index) until the head leaves: its ack or its dead
+# letter promotes the next, in the same transaction. `in_line`: the job holds a place in its
+# entity's line (its head, one waiting, or a dead head blocking the line under on_dead =
+# 'block'). Whoever changes a line takes its entity's order lock first (dedupworker.db.order),
+# so an enqueue never misses a head leaving, nor a head's leaving an enqueue.
+_ORDER = """
+CREATE TABLE dedupworker.queues (
+    queue      text        PRIMARY KEY,
+    ordered    boolean     NOT NULL DEFAULT false,
+    on_dead    text        NOT NULL DEFAULT 'skip' CHECK (on_dead IN ('skip', 'block')),
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+ALTER TABLE dedupworker.jobs DROP CONSTRAINT jobs_status_check;
+ALTER TABLE dedupworker.jobs ADD CONSTRAINT jobs_status_check
+    CHECK (status IN ('ready', 'waiting', 'dead'));
+ALTER TABLE dedupworker.jobs ADD COLUMN in_line boolean NOT NULL DEFAULT false;
+ALTER TABLE dedupworker.jobs ADD CONSTRAINT jobs_in_line_entity_check
+    CHECK (NOT in_line OR entity IS NOT NULL);
+COMMENT ON COLUMN dedupworker.jobs.in_line IS
+    'in its entity''s line on an ordered queue: its head (ready), waiting, or a dead head blocking';
+CREATE INDEX jobs_line_idx ON dedupworker.jobs (queue, entity, id) WHERE in_line;
+CREATE FUNCTION dedupworker.enqueue_line(q text, entities jsonb[]) RETURNS text[]
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    IF array_position(entities, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'not_null_violation',
+            MESSAGE = format('queue %s is ordered: every job needs its entity at enqueue',
+                             quote_literal(q)),
+            HINT = 'pass entity= to dedupworker.enqueue (the handler''s entity_id), or '
+                   '--entity-of MODULE:HANDLER to dedupworker enqueue';
+    END IF;
+    -- the lines' locks, in the order of their entities (as every locker of several takes them)
+    PERFORM pg_advisory_xact_lock(1685548914, hashtext(q || ' ' || e::text))
+    FROM (SELECT DISTINCT e FROM unnest(entities) AS u(e) ORDER BY e) AS sorted;
+    -- a statement after the locks: it sees the lines as their last holders left them
+    RETURN ARRAY(
+        SELECT CASE WHEN n > 1 OR EXISTS (
+                        SELECT 1 FROM dedupworker.jobs j
+                        WHERE j.queue = q AND j.entity = t.e AND j.in_line)
+                    THEN 'waiting' ELSE 'ready' END
+        FROM (SELECT u.e, u.i, row_number() OVER (PARTITION BY u.e ORDER BY u.i) AS n
+              FROM unnest(entities) WITH ORDINALITY AS u(e, i)) AS t
+        ORDER BY t.i);
+END
+$fn$;
+"""
+
 # Append only: a released version's migration never changes (see docs/migrations.md).
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "jobs table", _JOBS),
@@ -156,6 +205,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         " 'the bounded traceback of what raised when the job was dead-lettered (NULL: none)'",
     ),
     (7, "queue pauses, audit, worker heartbeats, throughput", _CONSOLE),
+    (8, "ordered queues", _ORDER),
 )
 
 

@@ -167,10 +167,25 @@ WHERE queue = %s AND status = 'ready'
 
 COUNT_READY = "SELECT count(*) FROM dedupworker.jobs WHERE queue = %s AND status = 'ready'"
 
+# On an ordered queue (dedupworker.queues), dedupworker.enqueue_line (migration 8) locks the
+# entities' lines and says which jobs head their line ('ready') and which wait behind one: it
+# runs once, before the first row goes in (a materialized CTE), and refuses a job without its
+# entity. Elsewhere every job is ready. Parameters: queue, delay, bodies, headers, entities.
 ENQUEUE = """
-INSERT INTO dedupworker.jobs (queue, body, headers, entity, run_at)
-SELECT %s, b, h, e, clock_timestamp() + make_interval(secs => %s)
-FROM unnest(%s::bytea[], %s::jsonb[], %s::jsonb[]) AS t(b, h, e)
+WITH asked AS MATERIALIZED (
+    SELECT %s::text AS queue, %s::float8 AS delay, %s::bytea[] AS bodies, %s::jsonb[] AS headers,
+           %s::jsonb[] AS entities
+), line AS MATERIALIZED (
+    SELECT CASE WHEN (SELECT ordered FROM dedupworker.queues q WHERE q.queue = asked.queue)
+                THEN dedupworker.enqueue_line(asked.queue, asked.entities) END AS statuses
+    FROM asked
+)
+INSERT INTO dedupworker.jobs (queue, body, headers, entity, run_at, status, in_line)
+SELECT asked.queue, b, h, e, clock_timestamp() + make_interval(secs => asked.delay),
+       coalesce(line.statuses[i], 'ready'), line.statuses IS NOT NULL
+FROM asked, line,
+     unnest(asked.bodies, asked.headers, asked.entities) WITH ORDINALITY AS t(b, h, e, i)
+ORDER BY i
 RETURNING id
 """
 

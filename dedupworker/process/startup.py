@@ -17,6 +17,7 @@ from dedupworker.config import WorkerConfig
 from dedupworker.db.connect import behind_pooler, connect, describe_dsn, retryable, unavailable
 from dedupworker.db.schema import check_schema
 from dedupworker.errors import ConfigurationError
+from dedupworker.transport import ChecksOrder
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -51,6 +52,20 @@ def at_start(step: Callable[[], None], config: WorkerConfig) -> None:
 def check_schema_on(pool: ConnectionPool[Any]) -> None:
     with pool.connection() as conn:
         check_schema(conn)
+
+
+def check_order(transport: object, handler: Handler, transport_name: str) -> None:
+    """A handler with `ordered = True` on a transport that keeps order for it, and only there
+    (the postgres queue checks its queue's declaration too)."""
+    if isinstance(transport, ChecksOrder):
+        transport.check_order(handler)
+    elif handler.ordered:
+        raise ConfigurationError(
+            f"{handler.name}.ordered = True: the {transport_name} transport does not keep an "
+            "entity's messages in order for it yet; use the postgres queue "
+            "(`dedupworker queues set NAME --ordered`), or remove `ordered = True` "
+            "(docs/order.md says what each transport keeps)"
+        )
 
 
 def check_lock_dsn(config: WorkerConfig, names: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import threading
@@ -35,6 +36,7 @@ from dedupworker.process.singleton import PurgeDead, PurgeLedger, Scheduler, Sin
 from dedupworker.process.startup import (
     at_start,
     check_lock_dsn,
+    check_order,
     check_pooler,
     check_schema_on,
     describe,
@@ -106,6 +108,7 @@ class Worker:
         for handler in self.handlers:
             config = dataclasses.replace(self.config, queue=self.queue_for(handler))
             transport = load_transport(config.transport, config, self._pool)
+            at_start(functools.partial(check_order, transport, handler, config.transport), config)
             engine = engine_for(handler, transport, pool, config, self.observing)
             self.runners.append(engine)
             if isinstance(transport, Wakes):

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+import tenacity
 
 from dedupworker.handler import BatchHandler, Handler
 from dedupworker.message import Message
@@ -42,8 +43,11 @@ CREATE TABLE IF NOT EXISTS check_calls (
     ended_at   timestamptz
 );
 CREATE TABLE IF NOT EXISTS check_effects (
-    msg text NOT NULL,
-    pid integer NOT NULL
+    msg    text NOT NULL,
+    pid    integer NOT NULL,
+    entity text,
+    seq    integer,
+    at     timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 """
 
@@ -64,6 +68,29 @@ SELECT entity, msg, pid, started_at, ended_at, earlier_end FROM (
 WHERE started_at < earlier_end
 """
 OVERLAPS = f"SELECT count(*) FROM ({_LATE_STARTS}) overlapping"
+
+# Out of order (messages with a "seq", their place among their entity's messages): an effect
+# that committed after one of a later message of its entity. Effects are written under the
+# entity's lock, so their times order each entity's committed calls (overlaps are checked
+# apart, from the calls recorded outside).
+_OUT_OF_ORDER = """
+SELECT entity, msg, seq, at, later FROM (
+    SELECT entity, msg, seq, at,
+           max(seq) OVER (PARTITION BY entity ORDER BY at, seq
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS later
+    FROM check_effects WHERE seq IS NOT NULL
+) effects
+WHERE seq < later
+"""
+
+
+def out_of_order(conn: psycopg.Connection[Any], limit: int = 10) -> tuple[int, list[Any]]:
+    """How many committed calls ran after a later message of their entity, and the first few
+    (entity, msg, seq, at, the later seq that ran before)."""
+    rows = conn.execute(f"{_OUT_OF_ORDER} ORDER BY at").fetchall()
+    return len(rows), [tuple(row) for row in rows[:limit]]
+
+
 OVERLAPPING_CALLS = f"{_LATE_STARTS} ORDER BY started_at LIMIT %s"
 
 
@@ -125,6 +152,21 @@ def check(
     )
 
 
+EFFECT = "INSERT INTO check_effects (msg, pid, entity, seq) VALUES (%s, %s, %s, %s)"
+
+
+def effect(body: dict[str, Any]) -> tuple[str, int, str, int | None]:
+    """EFFECT's parameters for a message's body."""
+    seq = body.get("seq")
+    return str(body["msg"]), os.getpid(), str(body["entity"]), None if seq is None else int(seq)
+
+
+def fail_first(body: dict[str, Any], message: Message) -> None:
+    """A message with "fail_first" fails its first attempt (after its work: rolled back)."""
+    if body.get("fail_first") and message.attempt == 1:
+        raise RuntimeError(f"message {body['msg']}: its first attempt fails, as asked")
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -143,6 +185,8 @@ class CheckedHandler(Handler):
         return entity
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        """Body {"msg", "entity", "work_ms"}, and for the order checker "seq" (its place among
+        its entity's messages) and "fail_first" (its first attempt raises after its work)."""
         body = message.json()
         # The start is the worker's clock once the lock is held; the end is the server's clock
         # at the call's last statement in its transaction, when the lock was provably still
@@ -154,12 +198,10 @@ class CheckedHandler(Handler):
             (str(body["msg"]), str(body["entity"]), os.getpid(), _now()),
         )
         time.sleep(float(body.get("work_ms", 5)) / 1000)
-        row = conn.execute(
-            "INSERT INTO check_effects (msg, pid) VALUES (%s, %s) RETURNING clock_timestamp()",
-            (body["msg"], os.getpid()),
-        ).fetchone()
+        row = conn.execute(EFFECT + " RETURNING clock_timestamp()", effect(body)).fetchone()
         if call is not None and row is not None:
             self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (row[0], call))
+        fail_first(body, message)
 
     def _record(self, query: str, params: tuple[Any, ...], rows: bool = False) -> Any:
         # The side connection may be cut by the fault under test: reconnect once, then give up
@@ -207,11 +249,42 @@ class BatchCheckedHandler(BatchHandler, CheckedHandler):
         if any(b.get("poison") for b in bodies):
             raise ValueError("poison message in the batch")
         row = conn.execute(
-            "INSERT INTO check_effects (msg, pid) SELECT unnest(%s::text[]), %s"
+            "INSERT INTO check_effects (msg, pid, entity, seq)"
+            " SELECT unnest(%s::text[]), %s, unnest(%s::text[]), unnest(%s::int4[])"
             " RETURNING clock_timestamp()",
-            ([str(b["msg"]) for b in bodies], pid),
+            (
+                [str(b["msg"]) for b in bodies],
+                pid,
+                [str(b["entity"]) for b in bodies],
+                [b.get("seq") for b in bodies],
+            ),
         ).fetchone()
         if calls and row is not None:
             self._record(
                 "UPDATE check_calls SET ended_at = %s WHERE id = ANY (%s)", (row[0], calls)
             )
+
+
+# An ordered queue's failed job holds its entity's later jobs until its retry: checkers whose
+# runs fail many first attempts retry them soon.
+QUICK_RETRIES = tenacity.wait_exponential(multiplier=0.05, max=0.5)
+
+
+class OrderedCheckedHandler(CheckedHandler):
+    """`CheckedHandler` on an ordered queue (docs/order.md), retrying soon."""
+
+    ordered = True
+    retry_backoff = QUICK_RETRIES
+
+
+class OrderedBatchCheckedHandler(BatchCheckedHandler):
+    """`BatchCheckedHandler` on an ordered queue; a batch with a "fail_first" message on its
+    first attempt fails whole (after its work)."""
+
+    ordered = True
+    retry_backoff = QUICK_RETRIES
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        super().handle_batch(messages, conn)
+        for message in messages:
+            fail_first(message.json(), message)

@@ -21,7 +21,14 @@ import psycopg
 from dedupworker.engines.session import AsyncCallConnection, CallConnection, SessionLost
 from dedupworker.handler import Handler
 from dedupworker.message import Message
-from dedupworker.testing.checking import _now, create_tables
+from dedupworker.testing.checking import (
+    EFFECT,
+    QUICK_RETRIES,
+    _now,
+    create_tables,
+    effect,
+    fail_first,
+)
 
 # Calls of SessionCheckedHandler that their lock session's loss cut off: when each ended (the
 # worker's clock at its cancellation), so that a fault test can tell how long a call ran on
@@ -36,7 +43,7 @@ CREATE TABLE IF NOT EXISTS check_cut_offs (
 _START = (
     "INSERT INTO check_calls (msg, entity, pid, started_at) VALUES (%s, %s, %s, %s) RETURNING id"
 )
-_EFFECT = "INSERT INTO check_effects (msg, pid) VALUES (%s, %s)"
+_EFFECT = EFFECT
 # GREATEST: a call's end only ever moves later, whichever of its records lands first.
 _RETURNED = "UPDATE check_calls SET ended_at = GREATEST(ended_at, %s) WHERE id = %s"
 _SETTLED = "UPDATE check_calls SET ended_at = GREATEST(ended_at, clock_timestamp()) WHERE id = %s"
@@ -211,10 +218,11 @@ class SessionCheckedHandler(Handler):
         try:
             call = await asyncio.shield(begun)
             await asyncio.sleep(float(body.get("work_ms", 5)) / 1000)
-            conn.execute(_EFFECT, (str(body["msg"]), os.getpid()))
+            conn.execute(_EFFECT, effect(body))
             if call is not None:
                 conn.execute(_SETTLED, (call,))
                 await asyncio.shield(self._side.record(_RETURNED, (_now(), call), keep=True))
+            fail_first(body, message)
         except (asyncio.CancelledError, SessionLost):
             await asyncio.shield(self._cut_off(begun, _now()))
             raise
@@ -239,7 +247,7 @@ class SessionCheckedThreadHandler(SessionCheckedHandler):
         call = self._sync_side.record(_START, start)
         try:
             time.sleep(float(body.get("work_ms", 5)) / 1000)
-            conn.execute(_EFFECT, (str(body["msg"]), os.getpid()))
+            conn.execute(_EFFECT, effect(body))
             if call is not None:
                 conn.execute(_SETTLED, (call,))
         except SessionLost:
@@ -248,3 +256,11 @@ class SessionCheckedThreadHandler(SessionCheckedHandler):
             raise
         if call is not None:
             self._sync_side.record(_RETURNED, (_now(), call), keep=True)
+        fail_first(body, message)
+
+
+class OrderedSessionCheckedHandler(SessionCheckedHandler):
+    """`SessionCheckedHandler` on an ordered queue (docs/order.md), retrying soon."""
+
+    ordered = True
+    retry_backoff = QUICK_RETRIES

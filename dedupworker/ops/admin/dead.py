@@ -34,6 +34,9 @@ class DeadJob:
     body: str  # its first BODY_PREVIEW characters
     traceback: str | None
     entity: int | str | None = None  # given at enqueue, or found by its worker
+    # Jobs of its entity waiting behind it: a dead head blocking its line (ordered queues with
+    # on_dead = "block", docs/order.md); 0 otherwise.
+    blocking: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,16 +138,19 @@ def dead_statement(
     filters, params = _where(search)
     indexed = search.queue or search.entity or search.reason  # see admin_sql.SEARCH_DEAD_PER_QUEUE
     form = admin_sql.SEARCH_DEAD if indexed else admin_sql.SEARCH_DEAD_PER_QUEUE
-    statement = form.format(filters=filters, order="DESC" if newest_first else "ASC")
+    order = "DESC" if newest_first else "ASC"
+    statement = form.format(filters=filters, order=order, blocking=admin_sql.BLOCKING)
     # A character is at most 4 bytes of UTF-8: enough bytes for BODY_PREVIEW characters.
     params.update(preview=BODY_PREVIEW * 4, limit=limit, offset=offset)
     return statement, params
 
 
 def _dead_job(row: tuple[Any, ...]) -> DeadJob:
-    job_id, queue, attempts, contentions, dead_at, error, body, traceback, entity = row
+    job_id, queue, attempts, contentions, dead_at, error, body, traceback, entity, blocking = row
     preview = _decode(bytes(body), whole=False)[:BODY_PREVIEW]
-    return DeadJob(job_id, queue, attempts, contentions, dead_at, error, preview, traceback, entity)
+    return DeadJob(
+        job_id, queue, attempts, contentions, dead_at, error, preview, traceback, entity, blocking
+    )
 
 
 def _decode(data: bytes, *, whole: bool) -> str:

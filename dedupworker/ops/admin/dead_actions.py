@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
+from psycopg.types.json import Jsonb
 
-from dedupworker.db import sql
+from dedupworker.db import order, sql
 from dedupworker.db.schema import check_schema
 from dedupworker.errors import ConfigurationError
 from dedupworker.ops.admin import sql as admin_sql
@@ -129,8 +130,13 @@ def _act_on_dead(
     chosen = _choose(ids, queue)
     with _schema_needed(), conn.transaction():
         check_schema(conn)
+        conn.execute(order.LOCK_LINES_OF_DEAD.format(filters=chosen.filters), chosen.params)
         rows = conn.execute(statement.format(filters=chosen.filters), chosen.params).fetchall()
-        jobs = {job_id: name for job_id, name in rows}
+        jobs = {job_id: name for job_id, name, _, _ in rows}
+        lines = [(name, Jsonb(entity)) for _, name, entity, in_line in rows if in_line]
+        if lines:
+            queues, entities = zip(*lines, strict=True)
+            conn.execute(order.HEADS_OF_LINES, (list(queues), list(entities)))
         _audit_jobs(conn, actor, action, chosen, jobs)
         if wake:
             for name in sorted(set(jobs.values())):

@@ -123,9 +123,15 @@ DEAD_FILTERS = {
 }
 # `{filters}`: " AND ..." for each criterion; `{order}`: ASC or DESC. The body's first bytes
 # (%(preview)s) are decoded by the caller: a body that is not UTF-8 must not fail the list.
+# A dead head that blocks its entity's line (an ordered queue's, on_dead = 'block'): how many
+# jobs wait behind it (0 for any other dead job).
+BLOCKING = """CASE WHEN in_line THEN (
+    SELECT count(*) FROM dedupworker.jobs w
+    WHERE w.queue = jobs.queue AND w.entity = jobs.entity AND w.in_line AND w.status = 'waiting')
+    ELSE 0 END"""
 SEARCH_DEAD = """
 SELECT id, queue, attempts, contentions, dead_at, last_error,
-       substring(body FROM 1 FOR %(preview)s), last_traceback, entity
+       substring(body FROM 1 FOR %(preview)s), last_traceback, entity, {blocking}
 FROM dedupworker.jobs
 WHERE status = 'dead'{filters}
 ORDER BY dead_at {order}, id {order}
@@ -145,7 +151,7 @@ WITH RECURSIVE queues AS (
 )
 SELECT d.* FROM queues q CROSS JOIN LATERAL (
     SELECT id, queue, attempts, contentions, dead_at, last_error,
-           substring(body FROM 1 FOR %(preview)s), last_traceback, entity
+           substring(body FROM 1 FOR %(preview)s), last_traceback, entity, {blocking}
     FROM dedupworker.jobs
     WHERE status = 'dead' AND queue = q.queue{filters}
     ORDER BY dead_at {order}, id {order}
@@ -161,14 +167,20 @@ SELECT id, queue, attempts, contentions, created_at, dead_at, last_error, last_t
 FROM dedupworker.jobs
 WHERE id = %s AND status = 'dead'
 """
+# A dead job of an ordered queue goes back in its entity's line, waiting (order.HEADS_OF_LINES
+# then gives each line touched its head); any other is ready again.
 REQUEUE_DEAD_MATCHING = """
+WITH ordered AS (SELECT queue FROM dedupworker.queues WHERE ordered)
 UPDATE dedupworker.jobs
-SET status = 'ready', attempts = 0, contentions = 0, run_at = clock_timestamp(), dead_at = NULL
-WHERE status = 'dead'{filters}
-RETURNING id, queue
+SET status = CASE WHEN in_order THEN 'waiting' ELSE 'ready' END, in_line = in_order,
+    attempts = 0, contentions = 0, run_at = clock_timestamp(), dead_at = NULL
+FROM (SELECT id AS chosen, entity IS NOT NULL AND queue IN (SELECT queue FROM ordered) AS in_order
+      FROM dedupworker.jobs WHERE status = 'dead'{filters}) AS c
+WHERE id = c.chosen
+RETURNING id, queue, entity, in_order
 """
 DISCARD_DEAD_MATCHING = """
-DELETE FROM dedupworker.jobs WHERE status = 'dead'{filters} RETURNING id, queue
+DELETE FROM dedupworker.jobs WHERE status = 'dead'{filters} RETURNING id, queue, entity, in_line
 """
 
 AUDIT = """

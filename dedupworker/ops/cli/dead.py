@@ -78,6 +78,8 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
 def _dead_job(job: admin.DeadJob) -> str:
     trace = "".join(f"\n    {line}" for line in (job.traceback or "").splitlines())
     entity = "" if job.entity is None else f" entity={job.entity}"
+    if job.blocking:
+        entity += f" (blocks {job.blocking} job(s) of its entity: requeue or discard it)"
     return (
         f"#{job.id} [{job.queue}] {job.dead_at:%Y-%m-%d %H:%M:%S} "
         f"attempts={job.attempts}{entity}: {job.error}{trace}\n    body: {job.body}"

@@ -72,6 +72,60 @@ def _add_queues(sub: Any) -> None:
     add_connect_options(p)
     add_option(p, "--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_queues)
+    actions = p.add_subparsers(title="actions", metavar="{set}")
+    _add_queues_set(actions)
+
+
+def _add_queues_set(actions: Any) -> None:
+    p = command(
+        actions,
+        "set",
+        help="declare a queue ordered (each entity's jobs one at a time, in enqueue order) and "
+        "what a dead head does to its entity's line (docs/order.md)",
+    )
+    p.add_argument("name", metavar="NAME", help="the queue")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument(
+        "--ordered",
+        dest="ordered",
+        action="store_const",
+        const=True,
+        help="run each entity's jobs in enqueue order (only while the queue is empty and has "
+        "no live workers: before anything is enqueued)",
+    )
+    order.add_argument(
+        "--unordered", dest="ordered", action="store_const", const=False, help="back to no order"
+    )
+    p.add_argument(
+        "--on-dead",
+        choices=("skip", "block"),
+        help="an entity's job dead-lettered: skip (its next job runs; the default) or block "
+        "(its next jobs wait until the dead one is requeued or discarded)",
+    )
+    add_connect_options(p)
+    p.set_defaults(func=cmd_queues_set)
+
+
+def cmd_queues_set(args: argparse.Namespace) -> int:
+    from dedupworker.queues import set_queue
+
+    if args.ordered is None and args.on_dead is None:
+        raise ConfigurationError(
+            f"say what to set on queue {args.name!r}: --ordered, --unordered or --on-dead"
+        )
+    with connect(args) as conn:
+        now = set_queue(
+            conn, args.name, ordered=args.ordered, on_dead=args.on_dead, actor=admin.ACTOR_CLI
+        )
+    kind = "ordered" if now.ordered else "unordered"
+    print(f"queue {now.queue!r}: {kind}, a dead head {_ON_DEAD[now.on_dead]}")
+    return 0
+
+
+_ON_DEAD = {
+    "skip": "is skipped (its entity's next job runs)",
+    "block": "blocks its entity's line until it is requeued or discarded",
+}
 
 
 def cmd_enqueue(args: argparse.Namespace) -> int:

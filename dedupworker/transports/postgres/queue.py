@@ -13,13 +13,14 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from dedupworker.config import WorkerConfig
-from dedupworker.db import sql
+from dedupworker.db import order, sql
 from dedupworker.db.connect import connection_kwargs
 from dedupworker.db.wire import Executor, Rows
 from dedupworker.decide.keys import KeyMode, normalize_entity
+from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
-from dedupworker.transport import Delivery, Settlements
+from dedupworker.transport import Delivery, MayBeOrdered, Settlements
 from dedupworker.transports.postgres.transaction import ClaimedTransactions
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class PostgresTransport:
         self._closed = threading.Event()
         self._paused: str | None = None  # who paused the queue (transport.Pauses)
         self._paused_gauge = metrics.QUEUE_PAUSED.labels(self.name, self.queue)
+        # Declared ordered (dedupworker.set_queue): its jobs' settlements keep their lines
+        # (db/order.py). Read by check_order at start; a queue changes it only while it has
+        # neither jobs nor live workers.
+        self.ordered = False
         self._listener: threading.Thread | None = None
         if not config.pgbouncer:
             # A transaction pooler accepts LISTEN and never delivers: poll only behind one.
@@ -82,6 +87,25 @@ class PostgresTransport:
         from dedupworker.transports.postgres.batch import ClaimedBatches
 
         return ClaimedBatches(self, handler, pool, threads)
+
+    def check_order(self, handler: MayBeOrdered) -> None:
+        """Refuse a handler whose `ordered` is not the queue's (transport.ChecksOrder)."""
+        with self.pool.connection() as conn:
+            row = conn.execute(order.QUEUE_SETTINGS, (self.queue,)).fetchone()
+        ordered, wanted = bool(row and row[0]), handler.ordered
+        if wanted and not ordered:
+            raise ConfigurationError(
+                f"{handler.name}.ordered = True but queue {self.queue!r} is not ordered: declare "
+                f"it before enqueueing (`dedupworker queues set {self.queue} --ordered`), or "
+                "remove `ordered = True` (docs/order.md)"
+            )
+        if ordered and not wanted:
+            raise ConfigurationError(
+                f"queue {self.queue!r} is ordered and {handler.name} is not: set "
+                f"`ordered = True` on {handler.name} (it then runs each entity's jobs in "
+                "enqueue order), or serve another queue (docs/order.md)"
+            )
+        self.ordered = ordered
 
     @property
     def paused(self) -> str | None:
@@ -173,6 +197,9 @@ class PostgresTransport:
         return job.locked
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None:
+        if self.ordered:
+            self._heads_leave(_require(conn), [delivery.receipt.id], [delivery.receipt.id], [])
+            return
         _require(conn).execute(sql.ACK, (delivery.receipt.id,))
 
     def requeue(
@@ -193,12 +220,38 @@ class PostgresTransport:
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
     ) -> None:
+        if self.ordered:
+            dead = [(delivery, reason, traceback)]
+            self._heads_leave(_require(conn), [delivery.receipt.id], [], dead)
+            return
         params = (reason, traceback or None, _entity_json(delivery), delivery.receipt.id)
         _require(conn).execute(sql.DEAD_LETTER, params)
+
+    def _heads_leave(
+        self,
+        conn: Executor,
+        ids: list[int],
+        acked: list[int],
+        dead: list[tuple[Delivery, str, str]],
+    ) -> None:
+        """On an ordered queue: the lines of `ids` locked, then the acknowledged and the dead
+        leave their lines (or, dead under on_dead = 'block', keep their place), the next jobs
+        ready (db/order.py)."""
+        conn.execute(order.LOCK_LINES_OF_JOBS, (ids,))
+        if acked:
+            conn.execute(order.ACK_HEADS, (acked,))
+        if dead:
+            dead_ids = [d.receipt.id for d, _, _ in dead]
+            conn.execute(order.DEAD_HEADS, (self.queue, dead_ids, *_dead_columns(dead)))
 
     def settle_many(self, settlements: Settlements, conn: Executor | None) -> None:
         """A batch's outcomes in one statement each, in its transaction (transport.SettlesMany)."""
         batch = _require(conn)
+        if self.ordered and (settlements.acks or settlements.dead):
+            acked = [d.receipt.id for d in settlements.acks]
+            ids = acked + [d.receipt.id for d, _, _ in settlements.dead]
+            self._heads_leave(batch, ids, acked, settlements.dead)
+            settlements = Settlements([], settlements.contended, settlements.retried, [])
         if settlements.acks:
             batch.execute(sql.ACK_MANY, ([d.receipt.id for d in settlements.acks],))
         if settlements.contended:
@@ -217,16 +270,7 @@ class PostgresTransport:
                 ),
             )
         if settlements.dead:
-            rows_dead = settlements.dead
-            batch.execute(
-                sql.DEAD_LETTER_MANY,
-                (
-                    [d.receipt.id for d, _, _ in rows_dead],
-                    [r for _, r, _ in rows_dead],
-                    [t or None for _, _, t in rows_dead],
-                    [_entity_json(d) for d, _, _ in rows_dead],
-                ),
-            )
+            batch.execute(sql.DEAD_LETTER_MANY, _dead_columns(settlements.dead))
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
         """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout` (while the queue
@@ -287,6 +331,18 @@ class PostgresTransport:
 def _entity_json(delivery: Delivery) -> str | None:
     """The entity its engine found, as jobs.entity holds one (JSON: 7 or "abc")."""
     return None if delivery.entity is None else json.dumps(delivery.entity)
+
+
+def _dead_columns(
+    dead: list[tuple[Delivery, str, str]],
+) -> tuple[list[int], list[str], list[str | None], list[str | None]]:
+    """sql.DEAD_LETTER_MANY's parameters: ids, reasons, tracebacks, entities found."""
+    return (
+        [d.receipt.id for d, _, _ in dead],
+        [reason for _, reason, _ in dead],
+        [trace or None for _, _, trace in dead],
+        [_entity_json(d) for d, _, _ in dead],
+    )
 
 
 def _require(conn: Executor | None) -> Executor:
