@@ -4,6 +4,7 @@ skipped or blocks its line; declarations and handlers that do not fit are refuse
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from tests.postgres.test_transaction_faults import Run
 from tests.support.checked_calls import scalar
 
 pytestmark = pytest.mark.postgres
+
+# Messages of the engines' order runs; ORDER_CHECK_MESSAGES=10000 runs them at full size (by hand:
+# some 3 minutes an engine on 2 cores).
+MESSAGES = int(os.environ.get("ORDER_CHECK_MESSAGES", "1500"))
 
 CHECKED = "dedupworker.testing.checking"
 ENGINES = {
@@ -119,11 +124,11 @@ def test_a_handler_that_does_not_fit_its_queue_is_refused_at_start(
 def test_each_entity_runs_in_enqueue_order_on_every_engine(
     dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:
-    """3 processes, 50 entities (5 hot), a tenth of first attempts failing."""
+    """3 processes, 50 entities (5 hot: half the messages), a tenth of first attempts failing."""
     handler, options = ENGINES[engine]
     create_tables(conn)
     set_queue(conn, "q", ordered=True)
-    produced = bodies(1500, 50, fail_share=0.1)
+    produced = bodies(MESSAGES, 50, fail_share=0.1)
     enqueue(conn, "q", produced, entity=entity_of)
     run = Run(dsn, dsn, tmp_path, handler=handler, options=options)
     run.drain(3, lambda stop: None)

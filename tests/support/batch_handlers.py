@@ -129,6 +129,12 @@ class Tally(BatchHandler):
         return row
 
 
+class OrderedTally(Tally):
+    """`Tally` on an ordered queue (docs/order.md)."""
+
+    ordered = True
+
+
 class Whole(Tally):
     """Room for every message of the test in one batch."""
 
