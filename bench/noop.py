@@ -31,3 +31,15 @@ class NoopBatch(BatchHandler):
 
     def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
         """Nothing: commit and ack the whole batch."""
+
+
+class OrderedNoop(Noop):
+    """Noop on an ordered queue (docs/order.md)."""
+
+    ordered = True
+
+
+class OrderedNoopBatch(NoopBatch):
+    """NoopBatch on an ordered queue."""
+
+    ordered = True

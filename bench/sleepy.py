@@ -53,3 +53,9 @@ class SleepyBatch(BatchHandler):
 
     def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
         time.sleep(sum(message.json().get("work_ms", 2) for message in messages) / 1000)
+
+
+class OrderedSleepy(Sleepy):
+    """Sleepy on an ordered queue (docs/order.md)."""
+
+    ordered = True

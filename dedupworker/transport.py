@@ -44,6 +44,9 @@ class Delivery:
     # Its entity, once the engine found it (outcomes.identify): kept with a dead letter where
     # the transport can (the postgres queue's jobs.entity, searched by the console).
     entity: int | str | None = None
+    # On an ordered queue: the entity whose line the message holds a place in (the one given at
+    # enqueue); its engine dead-letters it if that is not its handler's (outcomes.identify).
+    in_line: int | str | None = None
 
 
 class Transport(Protocol):

@@ -119,9 +119,21 @@ def identify(handler: Identifies, delivery: Delivery) -> tuple[int | str, str | 
     try:
         entity = normalize_entity(handler.entity_id(message))
         delivery.entity = entity
+        if delivery.in_line is not None and delivery.in_line != entity:
+            return on_wrong_line(delivery.in_line, entity)
         return entity, handler.dedup_key(message)
     except Exception as exc:
         return on_bad_entity(exc)
+
+
+def on_wrong_line(line: int | str, entity: int | str) -> Verdict:
+    """A message of an ordered queue enqueued in another entity's line than its handler's: run,
+    it would keep neither line's order."""
+    return Verdict(
+        Outcome.DEAD_LETTERED,
+        reason=f"enqueued in the line of entity {line!r}, but its handler's entity is {entity!r}: "
+        "give enqueue the handler's own entity_id (docs/order.md)",
+    )
 
 
 def on_contended(handler: Policy, delivery: Delivery) -> Verdict:

@@ -223,3 +223,17 @@ def test_letting_blocked_lines_go_runs_what_waited(
     assert statuses(conn) == {"dead": 1, "ready": 1, "waiting": 1}
     drain(dsn, tmp_path)
     assert sorted(effects(conn)) == ["a", "b", "c", "d"] and out_of_order(conn)[0] == 0
+
+
+def test_a_job_enqueued_in_another_entitys_line_is_dead_lettered(
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+) -> None:
+    set_queue(conn, "q", ordered=True)
+    create_tables(conn)
+    enqueue(conn, "q", [{"msg": "x", "entity": 1, "seq": 1}], entity=lambda _: 99)
+    enqueue(conn, "q", [{"msg": "y", "entity": 1, "seq": 1}], entity=entity_of)
+    drain(dsn, tmp_path)
+    assert effects(conn) == ["y"]
+    [job] = admin.list_dead(conn, queue="q")
+    assert job.error is not None and "in the line of entity 99" in job.error
+    assert "entity is 1" in job.error

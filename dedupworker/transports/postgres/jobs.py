@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 class Jobs(Transport, Protocol):
     queue: str  # the queue's name
+    ordered: bool  # declared ordered (docs/order.md): its deliveries know their lines
 
     @property
     def paused(self) -> str | None:

@@ -166,7 +166,10 @@ class PostgresTransport:
         if type(entity) is str:
             entity = normalize_entity(entity)  # "7" is the entity 7, as the claim locked it
         job = Job(job_id, entity, locked)
-        return Delivery(message, contentions, job, contended_since)
+        delivery = Delivery(message, contentions, job, contended_since)
+        if self.ordered:
+            delivery.in_line = entity
+        return delivery
 
     def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
         """The jobs a batch claim got (sql.BATCH_CLAIM's columns)."""
@@ -182,7 +185,10 @@ class PostgresTransport:
             # "7" is the entity 7, as the claim locked it
             entity = normalize_entity(given) if type(given) is str else given
             job = job_of(Job, (job_id, entity, None if entity is None else True))
-            deliveries.append(Delivery(message, contentions or 0, job, contended_since))
+            delivery = Delivery(message, contentions or 0, job, contended_since)
+            if self.ordered:
+                delivery.in_line = entity
+            deliveries.append(delivery)
         return deliveries
 
     @staticmethod

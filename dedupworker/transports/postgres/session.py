@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dedupworker.db import session_sql
+from dedupworker.decide.keys import normalize_entity
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out
 from dedupworker.engines.session.source import QueuedStatements
@@ -101,7 +103,10 @@ class ClaimedSessionCalls:
         self._held.add(job_id)
         if entity is not None:
             self._entities[entity] += 1
-        return Delivery(message, contentions, SessionJob(job_id, entity), contended_since)
+        delivery = Delivery(message, contentions, SessionJob(job_id, entity), contended_since)
+        if entity is not None and self.queue.ordered:
+            delivery.in_line = normalize_entity(json.loads(entity))
+        return delivery
 
     def forget(self, delivery: Delivery) -> None:
         job: SessionJob = delivery.receipt

@@ -1,0 +1,204 @@
+"""Ordered queues against unordered ones: the same jobs (entities given at enqueue), the same
+workers, rounds alternating which goes first.
+
+Scenarios (docs/order.md, "What it costs"):
+- per-message: the per-message engine (bench.noop:Noop / OrderedNoop) on distinct entities;
+- batch: the batch engine (NoopBatch / OrderedNoopBatch) on distinct entities;
+- hot: 20 entities, a 2 ms handler, 8 threads (bench.sleepy): the drain against its lower bound
+  (the busiest entity's work, or all the work over the threads);
+- blocked: the per-message engine on distinct entities of an ordered queue that also holds
+  100,000 jobs waiting behind 100 dead heads (on_dead = "block"), against the same ordered
+  queue without them; the claim's plan on both is printed (EXPLAIN ANALYZE).
+
+Throughput is jobs per second from the first job's commit to the last one's, seen from outside
+(bench.draining.Watcher); CPU is the workers' client CPU per job (start-up included).
+
+Run from the repository root:  python -m bench.ordered [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from bench.draining import Watcher, Workers, run_dedupworker, spawn_worker
+from dedupworker import Message, enqueue, set_queue
+from dedupworker.db import sql
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
+
+BLOCKED_LINES = 100
+BLOCKED_PER_LINE = 1000
+HOT_ENTITIES = 20
+HOT_WORK_MS = 2.0
+HOT_CONCURRENCY = 8
+
+
+def entity_of(message: Message) -> object:
+    return message.json()["entity"]
+
+
+def fill(
+    conn: psycopg.Connection[Any], queue: str, bodies: list[dict[str, Any]]
+) -> tuple[int, int]:
+    ids = enqueue(conn, queue, bodies, entity=entity_of)
+    conn.execute("VACUUM ANALYZE dedupworker.jobs")
+    return ids[0], ids[-1]
+
+
+def declare(conn: psycopg.Connection[Any], queue: str, ordered: bool) -> None:
+    set_queue(conn, queue, ordered=ordered, on_dead="block")
+
+
+def block_lines(conn: psycopg.Connection[Any], queue: str) -> None:
+    """BLOCKED_LINES dead heads, each with BLOCKED_PER_LINE jobs waiting behind it."""
+    lines = [{"entity": f"b{n}"} for n in range(BLOCKED_LINES)]
+    enqueue(conn, queue, lines, entity=entity_of)
+    conn.execute(
+        "UPDATE dedupworker.jobs SET status = 'dead', dead_at = clock_timestamp(),"
+        " last_error = 'bench: a dead head' WHERE queue = %s",
+        (queue,),
+    )
+    behind = [{"entity": f"b{n % BLOCKED_LINES}"} for n in range(BLOCKED_LINES * BLOCKED_PER_LINE)]
+    for start in range(0, len(behind), 10_000):
+        enqueue(conn, queue, behind[start : start + 10_000], entity=entity_of)
+
+
+def explain_claim(conn: psycopg.Connection[Any], queue: str) -> str:
+    """The per-message claim's plan, run (and rolled back) on `queue`."""
+    with conn.transaction(force_rollback=True):
+        rows = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + sql.CLAIM_LOCKING["int4"],
+            (queue, None, 77, 77, 77, None),
+        ).fetchall()
+    return "\n".join(row[0] for row in rows)
+
+
+class Scenario:
+    def __init__(self, name: str, run: Run) -> None:
+        self.name = name
+        self.run = run
+        self.figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+
+
+Run = Callable[[psycopg.Connection[Any], bool], tuple[float, float]]
+
+
+def distinct(
+    dsn: str, args: argparse.Namespace, handler: Callable[[bool], str], prefix: str
+) -> Run:
+    """Distinct entities on `{prefix}-ordered` (with True) and `{prefix}-plain`: rate, CPU."""
+
+    def run(conn: psycopg.Connection[Any], ordered: bool) -> tuple[float, float]:
+        queue = f"{prefix}-{'ordered' if ordered else 'plain'}"
+        ids = fill(conn, queue, [{"entity": n} for n in range(args.messages)])
+        workers = Workers(handler=handler(ordered))
+        measure = run_dedupworker(dsn, queue, ids, args.concurrency, workers)
+        return measure.rate, measure.cpu_us
+
+    return run
+
+
+def noop(name: str) -> Callable[[bool], str]:
+    return lambda ordered: f"bench.noop:{'Ordered' if ordered else ''}{name}"
+
+
+def hot(dsn: str, args: argparse.Namespace) -> Run:
+    """The hot entities' drain over its lower bound."""
+
+    def run(conn: psycopg.Connection[Any], ordered: bool) -> tuple[float, float]:
+        queue = f"hot-{'ordered' if ordered else 'plain'}"
+        rng = random.Random(3)
+        entities = [rng.randrange(HOT_ENTITIES) for _ in range(args.hot_messages)]
+        bodies = [{"entity": e, "work_ms": HOT_WORK_MS} for e in entities]
+        ids = fill(conn, queue, bodies)
+        name = "bench.sleepy:OrderedSleepy" if ordered else "bench.sleepy:Sleepy"
+        with Watcher(dsn, ids) as watcher:
+            spawn_worker(dsn, queue, HOT_CONCURRENCY, Workers(handler=name))
+        assert watcher.first is not None and watcher.last is not None
+        work = HOT_WORK_MS / 1000
+        busiest = max(entities.count(e) for e in set(entities))
+        bound = max(busiest * work, len(entities) * work / HOT_CONCURRENCY)
+        return (watcher.last - watcher.first) / bound, 0.0
+
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--messages", type=int, default=20_000, help="jobs of the distinct scenarios"
+    )
+    parser.add_argument("--hot-messages", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    print("$ python -m bench.ordered " + shlex.join(sys.argv[1:]), flush=True)
+    server = private_postgres()
+    try:
+        dsn = server.start()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn)
+            for prefix in ("msg", "batch", "hot"):
+                declare(conn, f"{prefix}-plain", False)
+                declare(conn, f"{prefix}-ordered", True)
+            declare(conn, "blocked-ordered", True)
+            declare(conn, "blocked-plain", True)  # ordered too: the same queue, no dead heads
+            block_lines(conn, "blocked-ordered")
+            scenarios = [
+                Scenario(
+                    "per-message, distinct entities", distinct(dsn, args, noop("Noop"), "msg")
+                ),
+                Scenario(
+                    "batch, distinct entities", distinct(dsn, args, noop("NoopBatch"), "batch")
+                ),
+                Scenario("hot: drain / lower bound", hot(dsn, args)),
+                # both queues ordered: "ordered" is the one with the blocked lines
+                Scenario(
+                    "blocked lines: ordered queue without (unordered column) / with",
+                    distinct(dsn, args, lambda _: "bench.noop:OrderedNoop", "blocked"),
+                ),
+            ]
+            for number in range(1, args.rounds + 1):
+                order = [False, True] if number % 2 else [True, False]
+                for scenario in scenarios:
+                    for ordered in order:
+                        figure = scenario.run(conn, ordered)
+                        scenario.figures[ordered].append(figure)
+                        kind = "ordered" if ordered else "unordered"
+                        print(
+                            f"round {number}, {scenario.name}, {kind}: {figure[0]:,.2f}", flush=True
+                        )
+            plans = {q: explain_claim(conn, q) for q in ("blocked-plain", "blocked-ordered")}
+    finally:
+        server.stop()
+    print()
+    print(
+        "| scenario | unordered | ordered | ordered / unordered, median (min-max) "
+        "| CPU µs/job unordered / ordered |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for scenario in scenarios:
+        plain, ordered = scenario.figures[False], scenario.figures[True]
+        ratios = [o[0] / p[0] for p, o in zip(plain, ordered, strict=True)]
+        cpu = (statistics.median(p[1] for p in plain), statistics.median(o[1] for o in ordered))
+        print(
+            f"| {scenario.name} | {statistics.median(p[0] for p in plain):,.2f} "
+            f"| {statistics.median(o[0] for o in ordered):,.2f} "
+            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+            f"| {cpu[0]:,.0f} / {cpu[1]:,.0f} |"
+        )
+    for queue, plan in plans.items():
+        print(f"\nThe claim on {queue}:\n{plan}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
