@@ -139,6 +139,9 @@ def main() -> int:
     )
     parser.add_argument("--hot-messages", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--only", help="the scenarios whose names hold this text (default: all)", default=""
+    )
     args = parser.parse_args()
     print("$ python -m bench.ordered " + shlex.join(sys.argv[1:]), flush=True)
     server = private_postgres()
@@ -166,6 +169,7 @@ def main() -> int:
                     distinct(dsn, args, lambda _: "bench.noop:OrderedNoop", "blocked"),
                 ),
             ]
+            scenarios = [s for s in scenarios if args.only in s.name]
             for number in range(1, args.rounds + 1):
                 order = [False, True] if number % 2 else [True, False]
                 for scenario in scenarios:

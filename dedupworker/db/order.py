@@ -20,57 +20,56 @@ LINE_KEY = f"{ORDER_NAMESPACE}, hashtext(queue || ' ' || entity::text)"
 # The queue's declaration (dedupworker.set_queue); a queue without a row is unordered.
 QUEUE_SETTINGS = "SELECT ordered, on_dead FROM dedupworker.queues WHERE queue = %s"
 
-# The lines of these jobs (those in one), locked: before their settlement.
+# One job settled on an ordered queue (migration 8's functions: the line's lock, the job's
+# settlement, the next job ready, each reading after the one before): sql.ACK's and
+# sql.DEAD_LETTER's parameters (the latter's id first).
+ACK_HEAD = "SELECT dedupworker.ack_head(%s)"
+DEAD_HEAD = "SELECT dedupworker.dead_head(%s, %s, %s, %s::jsonb)"
+
+# Many jobs (a batch), in two statements: their lines locked, in the order of their entities,
+# then their settlement.
 LOCK_LINES_OF_JOBS = f"""
 SELECT count(pg_advisory_xact_lock({LINE_KEY}))
-FROM (SELECT DISTINCT queue, entity FROM dedupworker.jobs
+FROM (SELECT queue, entity FROM dedupworker.jobs
       WHERE id = ANY (%s::int8[]) AND in_line
       ORDER BY entity, queue) AS lines
 """
 
-# The next job of each line in `left_lines` (a CTE of (id, queue, entity): heads that leave in
-# this statement) made ready, unless the line still has a head besides them (a dead job that
-# an operator requeued while the others waited, say). run_at: now, if it was due before, so
-# that it joins the ready index's tail rather than its head, behind every claim's cursor. Its
-# queue's workers are woken at COMMIT (as by an enqueue: idle ones wait for a NOTIFY).
-_PROMOTE = """
+# A settled job leaves its line: its line's next waiting job is made ready. The job leaving is
+# its line's head (only heads are ready, and only ready jobs are claimed), so the line has no
+# other. run_at: now, if it was due before, so that the job joins the ready index's tail
+# rather than its head, behind every claim's cursor. Its queue's workers are woken at COMMIT
+# (as by an enqueue: idle ones wait for a NOTIFY). `{left}`: the leaving heads, a CTE of
+# (queue, entity, in_line) as they were.
+_NEXT = """
 UPDATE dedupworker.jobs j
 SET status = 'ready', run_at = greatest(j.run_at, clock_timestamp())
-FROM (
-    SELECT (SELECT w.id FROM dedupworker.jobs w
-            WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
-              AND w.status = 'waiting'
-            ORDER BY w.id LIMIT 1) AS id
-    FROM (SELECT DISTINCT queue, entity FROM left_lines) AS l
-    WHERE NOT EXISTS (
-        SELECT 1 FROM dedupworker.jobs h
-        WHERE h.queue = l.queue AND h.entity = l.entity AND h.in_line
-          AND h.status <> 'waiting' AND h.id NOT IN (SELECT id FROM left_lines))
-) AS next
+FROM (SELECT (SELECT w.id FROM dedupworker.jobs w
+              WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
+                AND w.status = 'waiting'
+              ORDER BY w.id LIMIT 1) AS id
+      FROM {left} AS l WHERE l.in_line) AS next
 WHERE j.id = next.id
 RETURNING pg_notify('dedupworker_jobs', j.queue)
 """
 
-# Acknowledged heads: deleted, their next jobs ready.
+# Acknowledged: deleted, the next jobs ready.
 ACK_HEADS = f"""
 WITH gone AS (
-    DELETE FROM dedupworker.jobs WHERE id = ANY (%s::int8[])
-    RETURNING id, queue, entity, in_line
-), left_lines AS (
-    SELECT id, queue, entity FROM gone WHERE in_line
+    DELETE FROM dedupworker.jobs WHERE id = ANY (%s::int8[]) RETURNING queue, entity, in_line
 )
-{_PROMOTE}
-"""
+{_NEXT.format(left="gone")}"""
 
-# Dead heads of the queue %s (then sql.DEAD_LETTER_MANY's parameters): under on_dead = 'skip'
-# they leave their lines and the next jobs run; under 'block' they keep their place (the lines
-# wait for an operator's requeue or discard).
-DEAD_HEADS = f"""
+# Dead-lettered, on the queue %s (its on_dead), then sql.DEAD_LETTER_MANY's parameters: under
+# on_dead = 'skip' the jobs leave their lines and the next ones run; under 'block' they keep
+# their place and their lines wait for an operator's requeue or discard.
+DEAD_HEADS = """
 WITH policy AS (
     SELECT coalesce((SELECT on_dead = 'block' FROM dedupworker.queues WHERE queue = %s), false)
         AS blocks
 ), was AS (
-    SELECT id, in_line FROM dedupworker.jobs WHERE id = ANY (%s::int8[])
+    SELECT queue, entity, in_line AND NOT (SELECT blocks FROM policy) AS in_line
+    FROM dedupworker.jobs WHERE id = ANY (%s::int8[])
 ), dead AS (
     UPDATE dedupworker.jobs j
     SET status = 'dead', attempts = attempts + 1, last_error = t.reason,
@@ -79,12 +78,26 @@ WITH policy AS (
         in_line = j.in_line AND (SELECT blocks FROM policy)
     FROM unnest(%s::int8[], %s::text[], %s::text[], %s::text[]) AS t(id, reason, traceback, entity)
     WHERE j.id = t.id
-    RETURNING j.id, j.queue, j.entity
-), left_lines AS (
-    SELECT dead.id, queue, entity FROM dead JOIN was USING (id)
-    WHERE was.in_line AND NOT (SELECT blocks FROM policy)
 )
-{_PROMOTE}
+""" + _NEXT.format(left="was")
+
+# Any line's head, if it has none: after an operator's requeue (a dead job of an ordered queue
+# goes back in its line, waiting) or discard, for each line touched (queues, entities).
+HEADS_OF_LINES = """
+UPDATE dedupworker.jobs j
+SET status = 'ready', run_at = greatest(j.run_at, clock_timestamp())
+FROM (SELECT (SELECT w.id FROM dedupworker.jobs w
+              WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
+                AND w.status = 'waiting'
+              ORDER BY w.id LIMIT 1) AS id
+      FROM (SELECT DISTINCT queue, entity
+            FROM unnest(%s::text[], %s::jsonb[]) AS t(queue, entity)) AS l
+      WHERE NOT EXISTS (
+          SELECT 1 FROM dedupworker.jobs h
+          WHERE h.queue = l.queue AND h.entity = l.entity AND h.in_line
+            AND h.status <> 'waiting')) AS next
+WHERE j.id = next.id
+RETURNING pg_notify('dedupworker_jobs', j.queue)
 """
 
 # An operator's requeue or discard: first the lines of the dead jobs chosen (`{{filters}}` as in
@@ -95,13 +108,4 @@ FROM (SELECT DISTINCT queue, entity FROM dedupworker.jobs
       WHERE status = 'dead' AND entity IS NOT NULL
         AND queue IN (SELECT queue FROM dedupworker.queues WHERE ordered){{filters}}
       ORDER BY entity, queue) AS lines
-"""
-
-# Then, after the requeue (a dead job of an ordered queue goes back in its line, waiting) or the
-# discard: each line touched (queues, entities) gets its head if it has none.
-HEADS_OF_LINES = f"""
-WITH left_lines AS (
-    SELECT 0::int8 AS id, queue, entity FROM unnest(%s::text[], %s::jsonb[]) AS t(queue, entity)
-)
-{_PROMOTE}
 """

@@ -178,6 +178,66 @@ BEGIN
         ORDER BY t.i);
 END
 $fn$;
+-- A job settled leaves its line (acknowledged: deleted; dead: under on_dead = 'skip', out of
+-- its line, under 'block' kept as its line's blocking head) and the line's next job is made
+-- ready, after the line's lock: one statement for the worker, each statement inside it reading
+-- with a snapshot of its own (what an enqueue committed before the lock is seen).
+CREATE FUNCTION dedupworker.ack_head(job bigint) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    q text;
+    e jsonb;
+    line boolean;
+BEGIN
+    SELECT queue, entity, in_line INTO q, e, line FROM dedupworker.jobs WHERE id = job;
+    IF line THEN
+        PERFORM pg_advisory_xact_lock(1685548914, hashtext(q || ' ' || e::text));
+    END IF;
+    DELETE FROM dedupworker.jobs WHERE id = job;
+    IF line THEN
+        PERFORM dedupworker.next_in_line(q, e);
+    END IF;
+END
+$fn$;
+CREATE FUNCTION dedupworker.dead_head(
+    job bigint, reason text, trace text, found_entity jsonb
+) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    q text;
+    e jsonb;
+    line boolean;
+    blocks boolean;
+BEGIN
+    SELECT queue, entity, in_line INTO q, e, line FROM dedupworker.jobs WHERE id = job;
+    IF line THEN
+        PERFORM pg_advisory_xact_lock(1685548914, hashtext(q || ' ' || e::text));
+    END IF;
+    blocks := coalesce((SELECT on_dead = 'block' FROM dedupworker.queues WHERE queue = q), false);
+    UPDATE dedupworker.jobs
+    SET status = 'dead', attempts = attempts + 1, last_error = reason, last_traceback = trace,
+        dead_at = clock_timestamp(), entity = coalesce(entity, found_entity),
+        in_line = in_line AND blocks
+    WHERE id = job;
+    IF line AND NOT blocks THEN
+        PERFORM dedupworker.next_in_line(q, e);
+    END IF;
+END
+$fn$;
+-- The line's next waiting job made ready (its run_at now if it was due before: it joins the
+-- ready index's tail, behind the claims' cursors), its queue's workers woken at COMMIT.
+CREATE FUNCTION dedupworker.next_in_line(q text, e jsonb) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    UPDATE dedupworker.jobs SET status = 'ready', run_at = greatest(run_at, clock_timestamp())
+    WHERE id = (SELECT w.id FROM dedupworker.jobs w
+                WHERE w.queue = q AND w.entity = e AND w.in_line AND w.status = 'waiting'
+                ORDER BY w.id LIMIT 1);
+    IF FOUND THEN
+        PERFORM pg_notify('dedupworker_jobs', q);
+    END IF;
+END
+$fn$;
 """
 
 # Append only: a released version's migration never changes (see docs/migrations.md).

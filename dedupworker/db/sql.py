@@ -28,12 +28,18 @@ _JOB_FREE = f"""CASE
 # given, the entity's hint stands in for it: the value of the body's field that the last
 # parameter names as a regular expression (transports/postgres/hints.py; NULL: no hint),
 # computed once (OFFSET 0 keeps the planner from copying it into each use of `entity`).
+# Never later than LATE before the claim's transaction began, though: a job stamped ready before
+# a cursor passed its run_at and committed after (made ready by its line's head leaving, on an
+# ordered queue; or committed late by its producer) is then seen by the next claims, rather than
+# by the next claim from the head (up to a second later).
+LATE = "interval '20 milliseconds'"
 _CLAIM_LOCKING = """
 WITH claimed AS (
     SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
     FROM dedupworker.jobs
     WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-      AND run_at >= coalesce(to_timestamp(%s::float8 - 0.001), '-infinity')
+      AND run_at >= least(coalesce(to_timestamp(%s::float8 - 0.001), '-infinity'),
+                          now() - {late})
       AND {job_free}
     ORDER BY run_at, id
     LIMIT 1
@@ -115,7 +121,7 @@ _LOCKS = {
        END""",
 }
 CLAIM_LOCKING = {
-    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT)
+    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT, late=LATE)
     for mode, lock in _LOCKS.items()
 }
 CLAIM_SKIPPING = {
@@ -242,7 +248,8 @@ SELECT id, body, nullif(headers, '{{}}'), nullif(attempts, 0), nullif(contention
        extract(epoch FROM contended_since)::float8, entity, extract(epoch FROM run_at)::text
 FROM dedupworker.jobs
 WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-  AND run_at >= coalesce(to_timestamp(%s::float8 - 0.001), '-infinity')
+  AND run_at >= least(coalesce(to_timestamp(%s::float8 - 0.001), '-infinity'),
+                      now() - {late})
   AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN
       CASE WHEN entity IS NULL OR {taken} THEN {job_key} ELSE false END
   END
@@ -252,7 +259,8 @@ FOR UPDATE SKIP LOCKED
 """
 _JOB_KEY_TRIED = f"pg_try_advisory_xact_lock({JOB_KEY})"
 BATCH_CLAIM = {
-    mode: _BATCH_CLAIMED.format(taken=lock, job_key=_JOB_KEY_TRIED) for mode, lock in _LOCKS.items()
+    mode: _BATCH_CLAIMED.format(taken=lock, job_key=_JOB_KEY_TRIED, late=LATE)
+    for mode, lock in _LOCKS.items()
 }
 
 # The same for hot entities (few entities, many jobs each), which a batch engine's thread
@@ -281,7 +289,9 @@ WITH head AS (
 """
 BATCH_CLAIM_SHARED = {
     mode: _BATCH_CLAIM_SHARED.format(lock=lock)
-    + _BATCH_CLAIMED.format(taken="entity IN (SELECT entity FROM mine)", job_key=_JOB_KEY_TRIED)
+    + _BATCH_CLAIMED.format(
+        taken="entity IN (SELECT entity FROM mine)", job_key=_JOB_KEY_TRIED, late=LATE
+    )
     for mode, lock in _LOCKS.items()
 }
 # The claim's WHERE clause takes locks: it must be evaluated row by row along the ready index,

@@ -204,7 +204,7 @@ class PostgresTransport:
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None:
         if self.ordered:
-            self._heads_leave(_require(conn), [delivery.receipt.id], [delivery.receipt.id], [])
+            _require(conn).execute(order.ACK_HEAD, (delivery.receipt.id,))
             return
         _require(conn).execute(sql.ACK, (delivery.receipt.id,))
 
@@ -226,11 +226,10 @@ class PostgresTransport:
     def dead_letter(
         self, delivery: Delivery, reason: str, conn: Executor | None, *, traceback: str = ""
     ) -> None:
-        if self.ordered:
-            dead = [(delivery, reason, traceback)]
-            self._heads_leave(_require(conn), [delivery.receipt.id], [], dead)
-            return
         params = (reason, traceback or None, _entity_json(delivery), delivery.receipt.id)
+        if self.ordered:
+            _require(conn).execute(order.DEAD_HEAD, (params[-1], *params[:-1]))
+            return
         _require(conn).execute(sql.DEAD_LETTER, params)
 
     def _heads_leave(
