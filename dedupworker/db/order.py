@@ -109,3 +109,23 @@ FROM (SELECT DISTINCT queue, entity FROM dedupworker.jobs
         AND queue IN (SELECT queue FROM dedupworker.queues WHERE ordered){{filters}}
       ORDER BY entity, queue) AS lines
 """
+
+# Ordered queues' lines (docs/order.md), per queue: jobs waiting behind their line's head, and
+# the lines blocked (jobs waiting behind a head that cannot run now: dead, or due later after
+# a failure or a contention) with the age of the oldest blocked head.
+LINES = """
+    SELECT queue, sum(waiting)::int8 AS waiting, count(*) FILTER (WHERE blocked) AS blocked,
+           extract(epoch FROM clock_timestamp() - min(created_at) FILTER (WHERE blocked))::float8
+               AS oldest_blocked
+    FROM (
+        SELECT h.queue, h.created_at,
+               (SELECT count(*) FROM dedupworker.jobs w
+                WHERE w.queue = h.queue AND w.entity = h.entity AND w.in_line
+                  AND w.status = 'waiting') AS waiting,
+               h.status = 'dead' OR h.run_at > clock_timestamp() AS blocked
+        FROM dedupworker.jobs h
+        WHERE h.in_line AND h.status <> 'waiting' AND ({where})
+    ) AS heads
+    WHERE waiting > 0
+    GROUP BY queue"""
+LINES_OF_QUEUE = LINES.format(where="h.queue = %s")

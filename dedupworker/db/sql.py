@@ -223,7 +223,7 @@ WHERE ctid = ANY (ARRAY(
 """
 
 QUEUE_DEPTH = """
-SELECT CASE WHEN status = 'dead' THEN 'dead'
+SELECT CASE WHEN status IN ('dead', 'waiting') THEN status
             WHEN run_at <= clock_timestamp() THEN 'ready' ELSE 'delayed' END AS state,
        count(*)
 FROM dedupworker.jobs

@@ -99,9 +99,22 @@ QUEUE_PAUSED = Gauge(
     "1 while the queue is paused (`dedupworker pause`, the console): its workers claim nothing.",
     ["transport", "queue"],
 )
+ENTITIES_BLOCKED = Gauge(
+    "dedupworker_entities_blocked",
+    "Ordered queues: entities whose head cannot run now (dead under on_dead = block, or due "
+    "later after a failure or a contention) while jobs wait behind it; refreshed every 15 s.",
+    ["transport", "queue"],
+)
+OLDEST_BLOCKED_HEAD = Gauge(
+    "dedupworker_oldest_blocked_head_seconds",
+    "Ordered queues: how long ago the oldest blocked head (see dedupworker_entities_blocked) "
+    "was enqueued; 0 when none is blocked.",
+    ["transport", "queue"],
+)
 QUEUE_DEPTH = Gauge(
     "dedupworker_queue_depth",
-    "Messages in the transport's queue by state (postgres: ready, delayed, dead; sqs: "
+    "Messages in the transport's queue by state (postgres: ready, delayed, dead, waiting "
+    "behind their entity's head on an ordered queue; sqs: "
     "visible, in_flight, delayed, SQS's approximate counts), refreshed every 15 s.",
     ["transport", "queue", "state"],
 )

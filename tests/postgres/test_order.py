@@ -187,6 +187,11 @@ def test_a_dead_head_blocks_its_entity_until_an_operator_acts(
     assert (job.id, job.blocking) == (dead_id, 2)  # two jobs wait behind it
     listed = cli("dead", "list", "--queue", "q", "--dsn", dsn)
     assert "blocks 2" in listed.stdout, listed.stdout
+    [stats] = admin.queue_stats(conn)
+    assert (stats.waiting, stats.blocked, stats.dead, stats.ready) == (2, 1, 1, 0)
+    assert stats.oldest_blocked_seconds is not None and stats.oldest_blocked_seconds > 0
+    table = cli("queues", "--dsn", dsn).stdout
+    assert "WAITING" in table and "BLOCKED" in table and " 1 (oldest " in table, table
     # Discarded: the next job of entity 1 runs, and the one after it.
     admin.discard_dead(conn, [dead_id], queue="q")
     assert statuses(conn) == {"ready": 1, "waiting": 1}

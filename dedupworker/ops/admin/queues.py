@@ -35,6 +35,12 @@ class QueueStats:
     oldest_ready_seconds: float | None  # how long the oldest due job has been due
     paused: Pause | None
     per_minute: list[int]  # succeeded + duplicate per minute, oldest first, this minute last
+    # Ordered queues (docs/order.md): jobs waiting behind their entity's head, entities whose
+    # head cannot run now (dead, or due later) while jobs wait behind it, and how long ago the
+    # oldest of those heads was enqueued.
+    waiting: int = 0
+    blocked: int = 0
+    oldest_blocked_seconds: float | None = None
 
 
 def queue_stats(conn: psycopg.Connection[Any]) -> list[QueueStats]:
@@ -50,7 +56,8 @@ def queue_stats(conn: psycopg.Connection[Any]) -> list[QueueStats]:
 
 
 def _queue_stats(row: tuple[Any, ...], per_minute: list[int] | None) -> QueueStats:
-    queue, due, delayed, in_flight, dead, oldest, paused_at, paused_by, reason = row
+    queue, due, delayed, in_flight, dead, oldest, paused_at, paused_by, reason = row[:9]
+    waiting, blocked, oldest_blocked = row[9:]
     pause = None if paused_at is None else Pause(queue, paused_at, paused_by, reason)
     return QueueStats(
         queue=queue,
@@ -61,6 +68,9 @@ def _queue_stats(row: tuple[Any, ...], per_minute: list[int] | None) -> QueueSta
         oldest_ready_seconds=oldest,
         paused=pause,
         per_minute=per_minute or [0] * THROUGHPUT_MINUTES,
+        waiting=waiting,
+        blocked=blocked,
+        oldest_blocked_seconds=oldest_blocked,
     )
 
 

@@ -4,6 +4,7 @@ entities and webhook endpoints."""
 
 from __future__ import annotations
 
+from dedupworker.db import order
 from dedupworker.db.sql import JOB_NAMESPACE
 
 # `dedupworker locks`: advisory locks with their holder's session, the lock's mode, whether the
@@ -57,15 +58,19 @@ WITH ready AS (
     JOIN dedupworker.jobs j ON j.id = l.low + (n << 32)
     WHERE j.status = 'ready'
     GROUP BY j.queue
+), lines AS (
+    {order.LINES.format(where="true")}
 ), names AS (
-    SELECT queue FROM ready UNION SELECT queue FROM dead
+    SELECT queue FROM ready UNION SELECT queue FROM dead UNION SELECT queue FROM lines
     UNION SELECT queue FROM dedupworker.queue_pauses
     UNION SELECT queue FROM dedupworker.throughput WHERE transport = 'postgres'
 )
 SELECT n.queue, coalesce(r.due, 0), coalesce(r.delayed, 0), coalesce(c.in_flight, 0),
-       coalesce(d.dead, 0), r.oldest, p.paused_at, p.paused_by, p.reason
+       coalesce(d.dead, 0), r.oldest, p.paused_at, p.paused_by, p.reason,
+       coalesce(b.waiting, 0), coalesce(b.blocked, 0), b.oldest_blocked
 FROM names n
 LEFT JOIN ready r ON r.queue = n.queue
+LEFT JOIN lines b ON b.queue = n.queue
 LEFT JOIN dead d ON d.queue = n.queue
 LEFT JOIN claims c ON c.queue = n.queue
 LEFT JOIN dedupworker.queue_pauses p ON p.queue = n.queue

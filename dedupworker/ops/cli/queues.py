@@ -205,6 +205,8 @@ QUEUE_HEADER = (
     "DELAYED",
     "IN_FLIGHT",
     "DEAD",
+    "WAITING",
+    "BLOCKED",
     "OLDEST_READY",
     "DONE_10M",
     "STATE",
@@ -226,5 +228,8 @@ def format_queues(stats: list[admin.QueueStats]) -> str:
 def _queue_cells(row: admin.QueueStats) -> tuple[str, ...]:
     oldest = "" if row.oldest_ready_seconds is None else f"{row.oldest_ready_seconds:.1f}s"
     state = "running" if row.paused is None else "paused" + paused_by(row.paused)
-    counts = (row.ready, row.delayed, row.in_flight, row.dead)
-    return (row.queue, *map(str, counts), oldest, str(sum(row.per_minute)), state)
+    counts = (row.ready, row.delayed, row.in_flight, row.dead, row.waiting)
+    blocked = str(row.blocked)
+    if row.oldest_blocked_seconds is not None:
+        blocked += f" (oldest {row.oldest_blocked_seconds:.1f}s)"
+    return (row.queue, *map(str, counts), blocked, oldest, str(sum(row.per_minute)), state)

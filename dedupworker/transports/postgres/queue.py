@@ -300,11 +300,26 @@ class PostgresTransport:
             self._wakeup.notify_all()
 
     def observe_depth(self) -> None:
-        """Set dedupworker_queue_depth for this queue (ready, delayed, dead)."""
+        """Set dedupworker_queue_depth for this queue (ready, delayed, dead; waiting, and its
+        blocked entities, on an ordered queue)."""
         with self.pool.connection() as conn:
             counts = dict(conn.execute(sql.QUEUE_DEPTH, (self.queue,)).fetchall())
-        for state in ("ready", "delayed", "dead"):
+            lines = (
+                conn.execute(order.LINES_OF_QUEUE, (self.queue,)).fetchone()
+                if self.ordered
+                else None
+            )
+        states = (
+            ("ready", "delayed", "dead", "waiting")
+            if self.ordered
+            else ("ready", "delayed", "dead")
+        )
+        for state in states:
             metrics.QUEUE_DEPTH.labels(self.name, self.queue, state).set(counts.get(state, 0))
+        if self.ordered:
+            _, _, blocked, oldest = lines or (None, 0, 0, None)
+            metrics.ENTITIES_BLOCKED.labels(self.name, self.queue).set(blocked)
+            metrics.OLDEST_BLOCKED_HEAD.labels(self.name, self.queue).set(oldest or 0)
 
     def is_drained(self) -> bool:
         """Nothing ready, delayed or in flight (claimed rows exist until their commit)."""
