@@ -40,16 +40,17 @@ FROM (SELECT queue, entity FROM dedupworker.jobs
 # other. run_at: now, if it was due before, so that the job joins the ready index's tail
 # rather than its head, behind every claim's cursor. Its queue's workers are woken at COMMIT
 # (as by an enqueue: idle ones wait for a NOTIFY). `{left}`: the leaving heads, a CTE of
-# (queue, entity, in_line) as they were.
+# (queue, entity, in_line) as they were. The next jobs' ids come as an array (one primary-key
+# look-up each): joined instead, they were planned as a scan of the whole table per batch.
 _NEXT = """
 UPDATE dedupworker.jobs j
 SET status = 'ready', run_at = greatest(j.run_at, clock_timestamp())
-FROM (SELECT (SELECT w.id FROM dedupworker.jobs w
-              WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
-                AND w.status = 'waiting'
-              ORDER BY w.id LIMIT 1) AS id
-      FROM {left} AS l WHERE l.in_line) AS next
-WHERE j.id = next.id
+WHERE j.id = ANY (ARRAY(
+    SELECT (SELECT w.id FROM dedupworker.jobs w
+            WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
+              AND w.status = 'waiting'
+            ORDER BY w.queue, w.entity, w.id LIMIT 1)
+    FROM {left} AS l WHERE l.in_line))
 RETURNING pg_notify('dedupworker_jobs', j.queue)
 """
 
@@ -89,7 +90,7 @@ SET status = 'ready', run_at = greatest(j.run_at, clock_timestamp())
 FROM (SELECT (SELECT w.id FROM dedupworker.jobs w
               WHERE w.queue = l.queue AND w.entity = l.entity AND w.in_line
                 AND w.status = 'waiting'
-              ORDER BY w.id LIMIT 1) AS id
+              ORDER BY w.queue, w.entity, w.id LIMIT 1) AS id
       FROM (SELECT DISTINCT queue, entity
             FROM unnest(%s::text[], %s::jsonb[]) AS t(queue, entity)) AS l
       WHERE NOT EXISTS (

@@ -225,14 +225,15 @@ BEGIN
 END
 $fn$;
 -- The line's next waiting job made ready (its run_at now if it was due before: it joins the
--- ready index's tail, behind the claims' cursors), its queue's workers woken at COMMIT.
+-- ready index's tail, behind the claims' cursors), its queue's workers woken at COMMIT. Ordered
+-- as jobs_line_idx is, so that no plan walks the primary key from the oldest job instead.
 CREATE FUNCTION dedupworker.next_in_line(q text, e jsonb) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $fn$
 BEGIN
     UPDATE dedupworker.jobs SET status = 'ready', run_at = greatest(run_at, clock_timestamp())
     WHERE id = (SELECT w.id FROM dedupworker.jobs w
                 WHERE w.queue = q AND w.entity = e AND w.in_line AND w.status = 'waiting'
-                ORDER BY w.id LIMIT 1);
+                ORDER BY w.queue, w.entity, w.id LIMIT 1);
     IF FOUND THEN
         PERFORM pg_notify('dedupworker_jobs', q);
     END IF;
