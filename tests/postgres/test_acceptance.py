@@ -245,6 +245,7 @@ def test_two_concurrent_migrate_commands_on_an_empty_database(pg_server: Any) ->
                 "jobs",
                 "processed",
                 "queue_pauses",
+                "queues",
                 "schema_migrations",
                 "singleton_runs",
                 "throughput",

@@ -57,6 +57,7 @@ def test_list_dead_filters_by_queue_and_limit_newest_first(conn: psycopg.Connect
         "body",
         "traceback",
         "entity",  # added after the others: `dead list --json` readers keep working
+        "blocking",  # likewise
     ]
 
 

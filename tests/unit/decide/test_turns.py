@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,26 @@ def test_a_wait_that_runs_out_gives_no_turn() -> None:
     assert turns._turns == {}
 
 
+def run_loop(main: Any) -> Any:
+    """`asyncio.run(main())` on a thread of its own: the test process may have a loop running on
+    its main thread already (a browser test's, in the same test process)."""
+    done: list[Any] = []
+
+    def run() -> None:
+        try:
+            done.append(asyncio.run(main()))
+        except BaseException as exc:  # handed to the test's thread
+            done.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert done, "the event loop did not finish within 30 s"
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
 class Holder:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -78,7 +99,7 @@ def test_on_the_event_loop_every_message_of_an_entity_waits_and_runs_in_the_orde
         assert turns._waiting == {}
         return calls
 
-    calls = asyncio.run(main())
+    calls = run_loop(main)
     a_only = [step for step in order if step.startswith("a")]
     assert a_only == ["a1 starts", "a1 ends", "a2 starts", "a2 ends", "a3 starts", "a3 ends"]
     assert order.index("b1 starts") < order.index("a1 ends")  # another entity is not held up
@@ -105,4 +126,4 @@ def test_a_waiter_cancelled_passes_nothing_on_and_stopping_fails_every_waiter() 
         turns.end(first)
         assert turns._waiting == {}
 
-    asyncio.run(main())
+    run_loop(main)
