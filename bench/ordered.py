@@ -180,7 +180,11 @@ def main() -> int:
                         print(
                             f"round {number}, {scenario.name}, {kind}: {figure[0]:,.2f}", flush=True
                         )
-            plans = {q: explain_claim(conn, q) for q in ("blocked-plain", "blocked-ordered")}
+            plans = {}
+            for queue in ("blocked-plain", "blocked-ordered"):
+                # with jobs to claim: the plans of a full queue, not of an empty one
+                fill(conn, queue, [{"entity": n} for n in range(args.messages)])
+                plans[queue] = explain_claim(conn, queue)
     finally:
         server.stop()
     print()

@@ -8,7 +8,8 @@ capabilities some add, each an explicit Protocol checked once when the worker st
     ├── SettlesMany       settle_many: many outcomes carried out in set-based statements
     ├── Wakes             wake_all: idle handler threads woken at once when the worker stops
     ├── ChecksOrder       check_order: keeps each entity's messages in order for a handler
-    │                     with `ordered = True` (the postgres queue); others refuse one
+    │                     with `ordered = True` (the postgres queue declared ordered, Kafka,
+    │                     SQS FIFO); the others refuse one
     └── ReportsDepth      observe_depth: queue depth for the metrics, asked by the worker
 
 A source whose messages are rows of the database brings its own way to take them for each

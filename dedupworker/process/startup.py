@@ -56,14 +56,14 @@ def check_schema_on(pool: ConnectionPool[Any]) -> None:
 
 def check_order(transport: object, handler: Handler, transport_name: str) -> None:
     """A handler with `ordered = True` on a transport that keeps order for it, and only there
-    (the postgres queue checks its queue's declaration too)."""
+    (each transport of the package says which queues keep it: transport.ChecksOrder)."""
     if isinstance(transport, ChecksOrder):
         transport.check_order(handler)
     elif handler.ordered:
         raise ConfigurationError(
-            f"{handler.name}.ordered = True: the {transport_name} transport does not keep an "
-            "entity's messages in order for it yet; use the postgres queue "
-            "(`dedupworker queues set NAME --ordered`), or remove `ordered = True` "
+            f"{handler.name}.ordered = True: the {transport_name} transport does not say that "
+            "it keeps an entity's messages in order (it has no check_order); use an ordered "
+            "postgres queue, a Kafka topic or an SQS FIFO queue, or remove `ordered = True` "
             "(docs/order.md says what each transport keeps)"
         )
 

@@ -5,50 +5,25 @@ skipped or blocks its line; declarations and handlers that do not fit are refuse
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from dedupworker import ConfigurationError, Message, enqueue, set_queue
+from dedupworker import ConfigurationError, enqueue, set_queue
 from dedupworker.ops.admin import operations as admin
 from dedupworker.testing.checking import check, create_tables, out_of_order
 from tests.conftest import cli
 from tests.postgres.test_transaction_faults import Run
 from tests.support.checked_calls import scalar
+from tests.support.ordered import CHECKED, ENGINES, bodies, entity_of
 
 pytestmark = pytest.mark.postgres
 
 # Messages of the engines' order runs; ORDER_CHECK_MESSAGES=10000 runs them at full size (by hand:
 # some 3 minutes an engine on 2 cores).
 MESSAGES = int(os.environ.get("ORDER_CHECK_MESSAGES", "1500"))
-
-CHECKED = "dedupworker.testing.checking"
-ENGINES = {
-    "transaction": (f"{CHECKED}:OrderedCheckedHandler", ("--concurrency", "4")),
-    "batch": (f"{CHECKED}:OrderedBatchCheckedHandler", ("--concurrency", "2")),
-    "session": (f"{CHECKED}_sessions:OrderedSessionCheckedHandler", ("--concurrency", "40")),
-}
-
-
-def entity_of(message: Message) -> object:
-    return message.json()["entity"]
-
-
-def bodies(messages: int, entities: int, *, fail_share: float = 0.0, seed: int = 1) -> list[Any]:
-    """`messages` over `entities` (the first 5 hot: half of all), each with its place in its
-    entity's line; `fail_share` of them fail their first attempt."""
-    rng = random.Random(seed)
-    seqs: dict[int, int] = {}
-    out = []
-    for n in range(messages):
-        entity = rng.randrange(5) if rng.random() < 0.5 else rng.randrange(entities)
-        seqs[entity] = seq = seqs.get(entity, 0) + 1
-        fail = rng.random() < fail_share
-        out.append({"msg": str(n), "entity": entity, "seq": seq, "work_ms": 2, "fail_first": fail})
-    return out
 
 
 def statuses(conn: psycopg.Connection[Any], queue: str = "q") -> dict[str, int]:

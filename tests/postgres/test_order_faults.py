@@ -16,8 +16,9 @@ import pytest
 
 from dedupworker import enqueue, set_queue
 from dedupworker.testing.checking import check, create_tables, out_of_order
-from tests.postgres.test_order import ENGINES, bodies, entity_of, statuses
+from tests.postgres.test_order import statuses
 from tests.postgres.test_transaction_faults import Run, handlers_running
+from tests.support.ordered import ENGINES, bodies, entity_of
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance, pytest.mark.serial]
 

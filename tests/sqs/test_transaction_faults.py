@@ -7,6 +7,8 @@ injects one kind of fault while they drain the queue, and asserts zero overlappi
 entity, zero lost messages, zero double successes (the dedup ledger keys on the message's first
 MessageId, so a redelivered or re-sent message commits its effect once), nothing in the
 dead-letter queue but the poison message (with its reason) and an empty queue at the end.
+On a FIFO queue (each entity a message group, a tenth of first attempts failing) the order
+checker's handler runs, and each group's effects must have committed in send order.
 
 The queues' maxReceiveCount is set high (10): the faults here make messages come back unsettled
 a few times on purpose, and the redrive policy is not what is under test.
@@ -35,6 +37,7 @@ from dedupworker.testing.checking import Report, check, create_tables, overlappi
 from dedupworker.transports.sqs.attributes import REASON
 from tests.conftest import clean_env
 from tests.support.checked_calls import effects, scalar
+from tests.support.ordered import assert_in_order
 from tests.support.proxy import Proxy
 from tests.support.sqs_fault_handlers import RECEIPTS
 from tests.support.sqs_server import Queues, SqsServer
@@ -49,6 +52,13 @@ VISIBILITY = 2  # seconds: a message whose worker stops extending it comes back 
 MAX_RECEIVE_COUNT = 10
 CHECKED = "dedupworker.testing.checking:CheckedHandler"
 RECEIPTS_CHECKED = "tests.support.sqs_fault_handlers:ReceiptsChecked"
+# On a FIFO queue: the same, ordered (docs/order.md).
+ORDERED = {
+    CHECKED: "dedupworker.testing.checking:OrderedCheckedHandler",
+    RECEIPTS_CHECKED: "tests.support.sqs_fault_handlers:OrderedReceiptsChecked",
+}
+FAIL_SHARE = 0.1  # of first attempts, on a FIFO queue
+QUEUE_KINDS = pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])
 POISON = "poison"
 KILLS = 3
 CUT_SECONDS = 3.0  # longer than the visibility timeout: heartbeats fail too
@@ -71,13 +81,14 @@ class Workers(WorkerProcesses):
     """Worker processes draining one queue; replaceable when a fault kills one."""
 
     def __init__(self, env: dict[str, str], url: str, logs: Path, handler: str = CHECKED) -> None:
+        handler = ORDERED[handler] if url.endswith(".fifo") else handler
         args = [handler, "--transport", "sqs", "--queue", url, "--concurrency", "3", "--drain"]
         args += ["--poll-interval", "0.2", "--visibility-timeout", str(VISIBILITY)]
         super().__init__(env, logs, [*args, "--connect-timeout", "60"], drain_limit=120)
 
     def started(self) -> bool:
         """Every worker is past its start-up calls to SQS (it logs its queue after them)."""
-        return all("(standard queue" in self.log(proc) for proc in self.procs)
+        return all(" queue, visibility " in self.log(proc) for proc in self.procs)
 
 
 def worker_env(sqs: SqsServer, dsn: str, **extra: str) -> dict[str, str]:
@@ -90,20 +101,35 @@ def worker_env(sqs: SqsServer, dsn: str, **extra: str) -> dict[str, str]:
 def send_messages(
     sqs: SqsServer, url: str, work_ms: Callable[[int], int]
 ) -> tuple[list[str], list[str]]:
-    """MESSAGES over ENTITIES hot entities, and one poison message in the middle."""
+    """MESSAGES over ENTITIES hot entities, and one poison message in the middle. On a FIFO
+    queue each entity is a group, each message knows its place in it, and FAIL_SHARE of the
+    short ones fail their first attempt."""
+    fifo, rng = url.endswith(".fifo"), random.Random(1)
     produced = [str(i) for i in range(MESSAGES)]
-    bodies = [
-        json.dumps({"msg": msg, "entity": i % ENTITIES, "work_ms": work_ms(i)})
+    bodies: list[dict[str, Any]] = [
+        {"msg": msg, "entity": i % ENTITIES, "work_ms": work_ms(i)}
         for i, msg in enumerate(produced)
     ]
-    bodies.insert(MESSAGES // 2, json.dumps({"msg": POISON}))  # no entity: dead-lettered
+    if fifo:
+        for i, body in enumerate(bodies):
+            fail = body["work_ms"] < 100 and rng.random() < FAIL_SHARE
+            body.update(seq=i // ENTITIES, fail_first=fail)
+    bodies.insert(MESSAGES // 2, {"msg": POISON})  # no entity: dead-lettered
     client = sqs.client()
     for start in range(0, len(bodies), 10):
         entries = [
-            {"Id": str(i), "MessageBody": body} for i, body in enumerate(bodies[start : start + 10])
+            {"Id": str(i), "MessageBody": json.dumps(body), **fifo_options(body, fifo)}
+            for i, body in enumerate(bodies[start : start + 10])
         ]
         assert not client.send_message_batch(QueueUrl=url, Entries=entries).get("Failed")
     return [*produced, POISON], [POISON]
+
+
+def fifo_options(body: dict[str, Any], fifo: bool) -> dict[str, str]:
+    if not fifo:
+        return {}
+    group = str(body.get("entity", POISON))
+    return {"MessageGroupId": group, "MessageDeduplicationId": str(body["msg"])}
 
 
 def dead_letters(sqs: SqsServer, queues: Queues) -> list[tuple[str, str]]:
@@ -147,11 +173,14 @@ def assert_clean(
     produced: list[str],
     poison: list[str],
 ) -> Report:
-    report = check(conn, produced, poison)
-    print(report.as_dict())
-    assert report.overlaps == 0, overlapping_calls(conn)
-    assert report.lost == 0, report
-    assert report.duplicate_effects == 0, report  # the ledger: one commit per message
+    if queues.url.endswith(".fifo"):
+        report = assert_in_order(conn, produced, poison)
+    else:
+        report = check(conn, produced, poison)
+        print(report.as_dict())
+        assert report.overlaps == 0, overlapping_calls(conn)
+        assert report.lost == 0, report
+        assert report.duplicate_effects == 0, report  # the ledger: one commit per message
     # check() counts dead jobs of the postgres queue; on SQS the dead letters are in the DLQ.
     dead = dead_letters(sqs, queues)
     unexpected = [(msg, why) for msg, why in dead if msg not in poison or "malformed" not in why]
@@ -201,11 +230,12 @@ def redelivered(
     return received
 
 
+@QUEUE_KINDS
 def test_workers_killed_mid_handler_are_replaced_and_lose_nothing(
-    sqs: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    sqs: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, fifo: bool
 ) -> None:
     create_tables(conn)
-    queues = sqs.queues(max_receive_count=MAX_RECEIVE_COUNT, visibility=VISIBILITY)
+    queues = sqs.queues(fifo=fifo, max_receive_count=MAX_RECEIVE_COUNT, visibility=VISIBILITY)
     produced, poison = send_messages(sqs, queues.url, lambda i: 40)
     workers = Workers(worker_env(sqs, dsn), queues.url, tmp_path)
     rng = random.Random(1)
@@ -266,12 +296,13 @@ def test_sqs_endpoint_cut_and_restored_workers_ride_it_out(
     assert any(through in workers.log(proc) for proc in workers.procs)
 
 
+@QUEUE_KINDS
 def test_visibility_lost_mid_call_the_lock_keeps_the_redelivered_message_waiting(
-    sqs: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    sqs: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, fifo: bool
 ) -> None:
     create_tables(conn)
     conn.execute(RECEIPTS)
-    queues = sqs.queues(max_receive_count=MAX_RECEIVE_COUNT, visibility=VISIBILITY)
+    queues = sqs.queues(fifo=fifo, max_receive_count=MAX_RECEIVE_COUNT, visibility=VISIBILITY)
     slow = {str(i) for i in range(MESSAGES) if i % 12 == 1}  # spread over every entity
     produced, poison = send_messages(sqs, queues.url, lambda i: 800 if str(i) in slow else 20)
     workers = Workers(worker_env(sqs, dsn), queues.url, tmp_path, RECEIPTS_CHECKED)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from dedupworker import Message
-from dedupworker.testing.checking import CheckedHandler
+from dedupworker.testing.checking import QUICK_RETRIES, CheckedHandler
 
 RECEIPTS = """
 CREATE TABLE IF NOT EXISTS check_receipts (
@@ -36,3 +36,10 @@ class ReceiptsChecked(CheckedHandler):
             (msg, os.getpid(), message.headers.get("MessageId", "")),
         )
         return super().entity_id(message)
+
+
+class OrderedReceiptsChecked(ReceiptsChecked):
+    """ReceiptsChecked for a FIFO queue: each group's messages in send order (docs/order.md)."""
+
+    ordered = True
+    retry_backoff = QUICK_RETRIES

@@ -5,6 +5,7 @@ import pytest
 
 from dedupworker import ConfigurationError, Handler, HandlerNotFound, Message, load_handler
 from dedupworker.handler import validate_handler
+from dedupworker.process.startup import check_order
 
 
 def make(**attrs: Any) -> Handler:
@@ -71,3 +72,29 @@ def test_message_json_and_text() -> None:
     message = Message(id="1", body='{"a": "ü"}'.encode())
     assert message.json() == {"a": "ü"}
     assert message.text() == '{"a": "ü"}'
+
+
+class _Ordered(Handler):
+    lock_namespace = 1
+    ordered = True
+
+    def entity_id(self, message: Message) -> int | str:
+        return 1
+
+    def handle(self, message: Message, conn: Any) -> None:
+        pass
+
+
+def test_an_ordered_handler_on_a_transport_that_keeps_no_order_is_refused() -> None:
+    """A transport without check_order (transport.ChecksOrder) serves no `ordered = True`; one
+    with it decides for itself."""
+    with pytest.raises(ConfigurationError, match="does not say that it keeps an entity's"):
+        check_order(object(), _Ordered(), "custom")
+
+    class Refuses:
+        def check_order(self, handler: Any) -> None:
+            raise ConfigurationError(f"{handler.name} refused")
+
+    with pytest.raises(ConfigurationError, match="_Ordered refused"):
+        check_order(Refuses(), _Ordered(), "custom")
+    check_order(object(), Handler.__new__(Handler), "custom")  # unordered: anywhere

@@ -39,7 +39,7 @@ from dedupworker.decide.settle import carry_out_others
 from dedupworker.errors import TransportError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
-from dedupworker.transport import Delivery, Settlements
+from dedupworker.transport import Delivery, MayBeOrdered, Settlements
 from dedupworker.transports.kafka.buffer import _Buffer
 from dedupworker.transports.kafka.client import (
     POLL_BATCH,
@@ -108,6 +108,10 @@ class KafkaTransport:
             target=self._consume, name=f"dedupworker-kafka-{self.topic}", daemon=True
         )
         self._thread.start()
+
+    def check_order(self, handler: MayBeOrdered) -> None:
+        """Every message key runs in offset order, whatever the handler says
+        (transport.ChecksOrder): a handler with `ordered = True` is served as it is."""
 
     # the Transport protocol, called from handler threads
 

@@ -26,7 +26,7 @@ from dedupworker.decide.settle import carry_out_others
 from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
-from dedupworker.transport import Delivery, Settlements
+from dedupworker.transport import Delivery, MayBeOrdered, Settlements
 from dedupworker.transports.sqs.attributes import (
     MAX_ATTRIBUTES,
     REASON,
@@ -99,6 +99,16 @@ class SqsTransport:
             self.dead_letter_url,
             _redrive_note(attributes),
         )
+
+    def check_order(self, handler: MayBeOrdered) -> None:
+        """A FIFO queue keeps each message group's order for a handler with `ordered = True`
+        (transport.ChecksOrder); a standard queue keeps none, and refuses one."""
+        if handler.ordered and not self.fifo:
+            raise ConfigurationError(
+                f"{handler.name}.ordered = True but {self.url} is a standard SQS queue, which "
+                "keeps no order: serve a FIFO queue (its name ends in .fifo; each message "
+                "group runs in send order), or remove `ordered = True` (docs/order.md)"
+            )
 
     def receive(self, conn: Any) -> Delivery | None:
         self._forget_orphan()
