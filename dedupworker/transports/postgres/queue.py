@@ -17,10 +17,10 @@ from dedupworker.db import order, sql
 from dedupworker.db.connect import connection_kwargs
 from dedupworker.db.wire import Executor, Rows
 from dedupworker.decide.keys import KeyMode, normalize_entity
-from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, MayBeOrdered, Settlements
+from dedupworker.transports.postgres.lines import heads_leave, queue_is_ordered
 from dedupworker.transports.postgres.transaction import ClaimedTransactions
 
 if TYPE_CHECKING:
@@ -90,22 +90,7 @@ class PostgresTransport:
 
     def check_order(self, handler: MayBeOrdered) -> None:
         """Refuse a handler whose `ordered` is not the queue's (transport.ChecksOrder)."""
-        with self.pool.connection() as conn:
-            row = conn.execute(order.QUEUE_SETTINGS, (self.queue,)).fetchone()
-        ordered, wanted = bool(row and row[0]), handler.ordered
-        if wanted and not ordered:
-            raise ConfigurationError(
-                f"{handler.name}.ordered = True but queue {self.queue!r} is not ordered: declare "
-                f"it before enqueueing (`dedupworker queues set {self.queue} --ordered`), or "
-                "remove `ordered = True` (docs/order.md)"
-            )
-        if ordered and not wanted:
-            raise ConfigurationError(
-                f"queue {self.queue!r} is ordered and {handler.name} is not: set "
-                f"`ordered = True` on {handler.name} (it then runs each entity's jobs in "
-                "enqueue order), or serve another queue (docs/order.md)"
-            )
-        self.ordered = ordered
+        self.ordered = queue_is_ordered(self.pool, self.queue, handler)
 
     @property
     def paused(self) -> str | None:
@@ -232,30 +217,13 @@ class PostgresTransport:
             return
         _require(conn).execute(sql.DEAD_LETTER, params)
 
-    def _heads_leave(
-        self,
-        conn: Executor,
-        ids: list[int],
-        acked: list[int],
-        dead: list[tuple[Delivery, str, str]],
-    ) -> None:
-        """On an ordered queue: the lines of `ids` locked, then the acknowledged and the dead
-        leave their lines (or, dead under on_dead = 'block', keep their place), the next jobs
-        ready (db/order.py)."""
-        conn.execute(order.LOCK_LINES_OF_JOBS, (ids,))
-        if acked:
-            conn.execute(order.ACK_HEADS, (acked,))
-        if dead:
-            dead_ids = [d.receipt.id for d, _, _ in dead]
-            conn.execute(order.DEAD_HEADS, (self.queue, dead_ids, *_dead_columns(dead)))
-
     def settle_many(self, settlements: Settlements, conn: Executor | None) -> None:
         """A batch's outcomes in one statement each, in its transaction (transport.SettlesMany)."""
         batch = _require(conn)
         if self.ordered and (settlements.acks or settlements.dead):
             acked = [d.receipt.id for d in settlements.acks]
-            ids = acked + [d.receipt.id for d, _, _ in settlements.dead]
-            self._heads_leave(batch, ids, acked, settlements.dead)
+            dead = _dead_columns(settlements.dead) if settlements.dead else None
+            heads_leave(batch, self.queue, acked, dead)
             settlements = Settlements([], settlements.contended, settlements.retried, [])
         if settlements.acks:
             batch.execute(sql.ACK_MANY, ([d.receipt.id for d in settlements.acks],))

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import boto3
 from botocore.config import Config
 from botocore.exceptions import (
+    BotoCoreError,
     ClientError,
     ConnectTimeoutError,
     EndpointConnectionError,
@@ -19,7 +20,7 @@ from botocore.exceptions import (
 )
 
 from dedupworker.config import WorkerConfig
-from dedupworker.errors import TransportError
+from dedupworker.errors import ConfigurationError, TransportError
 from dedupworker.transports.sqs.options import SqsOptions, check_visibility
 
 NOT_FOUND = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
@@ -40,6 +41,38 @@ def _client(config: WorkerConfig) -> Any:
             "no AWS region for SQS: set AWS_DEFAULT_REGION (or `region` in the AWS config "
             "file of AWS_PROFILE)"
         ) from exc
+
+
+def attributes_of(client: Any, url: str, what: str) -> dict[str, str]:
+    """All attributes of the queue at `url` (`what` names it in an error: "queue", ...)."""
+    try:
+        response = client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])
+    except (BotoCoreError, ClientError) as exc:
+        raise _explain(exc, url, what, client.meta.endpoint_url) from exc
+    attributes: dict[str, str] = response.get("Attributes", {})
+    return attributes
+
+
+def dead_letter_url(client: Any, url: str, options: SqsOptions, attributes: dict[str, str]) -> str:
+    """Where the queue at `url` (with these attributes) sends dead letters: --dead-letter, else
+    its redrive policy's target; neither is a configuration error (nothing is ever dropped)."""
+    if options.dead_letter:
+        attributes_of(client, options.dead_letter, "dead-letter queue")
+        return options.dead_letter
+    target = json.loads(attributes.get("RedrivePolicy") or "{}").get("deadLetterTargetArn")
+    if not target:
+        raise ConfigurationError(
+            f"the SQS queue {url} has no redrive policy and no --dead-letter queue was "
+            "given: dedupworker never drops a message, so it needs a dead-letter queue; "
+            "pass --dead-letter URL (DEDUPWORKER_DEAD_LETTER) or add a redrive policy"
+        )
+    *_, account, queue_name = target.split(":")
+    try:
+        response = client.get_queue_url(QueueName=queue_name, QueueOwnerAWSAccountId=account)
+    except (BotoCoreError, ClientError) as exc:
+        raise _explain(exc, target, "redrive dead-letter queue", url) from exc
+    found: str = response["QueueUrl"]
+    return found
 
 
 def _visibility(options: SqsOptions, attributes: dict[str, str]) -> int:

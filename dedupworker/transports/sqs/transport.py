@@ -11,7 +11,6 @@ a failed one is made invisible for its backoff; its group waits either way. See 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -36,7 +35,13 @@ from dedupworker.transports.sqs.attributes import (
     _fitting,
     _headers,
 )
-from dedupworker.transports.sqs.client import _client, _explain, _redrive_note, _visibility
+from dedupworker.transports.sqs.client import (
+    _client,
+    _redrive_note,
+    _visibility,
+    attributes_of,
+    dead_letter_url,
+)
 from dedupworker.transports.sqs.inbox import BATCH, _chunks, _Inbox
 from dedupworker.transports.sqs.keeper import Keeper
 from dedupworker.transports.sqs.options import MAX_VISIBILITY, SqsOptions
@@ -70,10 +75,10 @@ class SqsTransport:
         self.options = config.transport_options(SqsOptions)
         self.url = config.queue  # a queue URL, as SqsOptions.check_queue made sure
         self.client = _client(config)
-        attributes = self._attributes_of(self.url, "queue")
+        attributes = attributes_of(self.client, self.url, "queue")
         self.fifo = attributes.get("FifoQueue") == "true"
         self.visibility = _visibility(self.options, attributes)
-        self.dead_letter_url = self._dead_letter_url(attributes)
+        self.dead_letter_url = dead_letter_url(self.client, self.url, self.options, attributes)
         self.wait_seconds = min(MAX_WAIT, max(1, math.ceil(config.poll_interval)))
         self._receive_options: dict[str, Any] = (
             {"VisibilityTimeout": self.visibility} if self.options.visibility_timeout else {}
@@ -215,36 +220,6 @@ class SqsTransport:
         for state, count in counts.items():
             self._depth[state].set(count)
         return counts
-
-    def _attributes_of(self, url: str, what: str) -> dict[str, str]:
-        try:
-            response = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])
-        except (BotoCoreError, ClientError) as exc:
-            raise _explain(exc, url, what, self.client.meta.endpoint_url) from exc
-        attributes: dict[str, str] = response.get("Attributes", {})
-        return attributes
-
-    def _dead_letter_url(self, attributes: dict[str, str]) -> str:
-        url = self.options.dead_letter
-        if url:
-            self._attributes_of(url, "dead-letter queue")
-            return url
-        target = json.loads(attributes.get("RedrivePolicy") or "{}").get("deadLetterTargetArn")
-        if not target:
-            raise ConfigurationError(
-                f"the SQS queue {self.url} has no redrive policy and no --dead-letter queue was "
-                "given: dedupworker never drops a message, so it needs a dead-letter queue; "
-                "pass --dead-letter URL (DEDUPWORKER_DEAD_LETTER) or add a redrive policy"
-            )
-        *_, account, queue_name = target.split(":")
-        try:
-            response = self.client.get_queue_url(
-                QueueName=queue_name, QueueOwnerAWSAccountId=account
-            )
-        except (BotoCoreError, ClientError) as exc:
-            raise _explain(exc, target, "redrive dead-letter queue", self.url) from exc
-        found: str = response["QueueUrl"]
-        return found
 
     def _fetch(self, want: int) -> Delivery | None:
         deliveries: list[Delivery] = []
