@@ -47,7 +47,7 @@ from tests.support.batch_broker_handlers import (
 )
 from tests.support.checked_calls import scalar
 from tests.support.session_handlers import stats_totals
-from tests.support.sqs_server import SqsServer
+from tests.support.sqs_server import FIFO_KEPT, SqsServer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
@@ -150,6 +150,7 @@ def test_poison_is_dead_lettered_with_its_reason_and_contended_messages_finish_a
     assert depth(sqs, queues.url) == (0, 0, 0)
 
 
+@FIFO_KEPT
 def test_a_fifo_queue_applies_each_groups_messages_in_send_order_in_batches(
     sqs: SqsServer, dsn: str, tables: psycopg.Connection[Any], tmp_path: Path
 ) -> None:

@@ -5,13 +5,8 @@ entity. A standard queue keeps no order: a handler with `ordered = True` is refu
 faults (workers killed mid-call, a visibility lapse) are tests/sqs/test_transaction_faults.py's,
 on a FIFO queue with the same checker.
 
-The FIFO runs use ministack only. moto (5.2.1) does not keep a group to one consumer when
-receives come at once: its ReceiveMessage reads the groups in flight before it takes the queue's
-messages, without a lock, so two concurrent receives can both take messages of one group, the
-later ones first. Six threads receiving from one moto FIFO queue of 4 groups (400 messages) got
-a group already in flight elsewhere 3 times; the same run on ministack, never. Here that showed
-as a group's 4th message committed while its 3rd was still in flight in another worker, with
-one receive each (ApproximateReceiveCount 1): nothing of the worker's doing."""
+The FIFO runs use ministack only (tests/support/sqs_server.py, FIFO_KEPT: moto's FIFO groups
+are not kept to one consumer under concurrent receives)."""
 
 from __future__ import annotations
 
@@ -26,15 +21,13 @@ import pytest
 from dedupworker.testing.checking import create_tables
 from tests.conftest import clean_env
 from tests.support.ordered import CHECKED, ENGINES, assert_in_order, bodies
-from tests.support.sqs_server import SqsServer
+from tests.support.sqs_server import FIFO_KEPT, SqsServer
 from tests.support.worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
 # ORDER_CHECK_MESSAGES=10000 runs them at full size (by hand).
 MESSAGES = int(os.environ.get("ORDER_CHECK_MESSAGES", "1000"))
-# The endpoints that keep a FIFO group to one consumer at a time (see above).
-FIFO_KEPT = pytest.mark.parametrize("sqs", ["ministack"], indirect=True)
 
 
 def send_in_groups(aws: SqsServer, url: str, produced: list[Any]) -> None:

@@ -36,7 +36,7 @@ from tests.support.session_handlers import (
     outcomes_by_msg,
     stats_totals,
 )
-from tests.support.sqs_server import Queues, SqsServer
+from tests.support.sqs_server import FIFO_KEPT, Queues, SqsServer
 from tests.support.worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
@@ -205,6 +205,7 @@ def held_entity(dsn: str, entity: int) -> Iterator[None]:
         yield
 
 
+@FIFO_KEPT
 def test_a_fifo_queue_keeps_each_groups_send_order_across_two_processes(
     sqs: SqsServer, dsn: str, tables: psycopg.Connection[Any], tmp_path: Path
 ) -> None:

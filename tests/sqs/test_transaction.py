@@ -31,7 +31,7 @@ from dedupworker.transports.sqs.transport import SqsTransport
 from tests.conftest import ROOT, clean_env, cli
 from tests.support.acceptance import OVERLAPS, assert_each_once, scalar
 from tests.support.sqs_helpers import dead_letters, running, send, step_until
-from tests.support.sqs_server import SqsServer
+from tests.support.sqs_server import FIFO_KEPT, SqsServer
 
 
 class Scripted(Handler):
@@ -375,6 +375,7 @@ def test_three_drain_processes_over_hot_entities_never_overlap_and_lose_nothing(
     assert depth(aws, queues.url) == (0, 0, 0)
 
 
+@FIFO_KEPT
 @pytest.mark.acceptance
 def test_a_fifo_queue_keeps_each_groups_order_across_processes(
     aws: SqsServer, dsn: str, conn: psycopg.Connection[Any]

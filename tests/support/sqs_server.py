@@ -23,10 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import pytest
 
 from dedupworker.dev.embedded import free_port
 
 KINDS = ("ministack", "moto")
+# The endpoints that keep a FIFO group to one consumer at a time, for the tests that judge a
+# group's order. moto (5.2.1) does not when receives come at once: its ReceiveMessage reads the
+# groups in flight before it takes the queue's messages, without a lock, so two concurrent
+# receives (two threads or two processes of a worker) can both take messages of one group, the
+# later ones first. Six threads receiving from one moto FIFO queue of 4 groups (400 messages)
+# got a group already in flight elsewhere 3 times; the same run on ministack, never. In the
+# order checker's run it showed as a group's 4th message committed while its 3rd was still in
+# flight in another worker, each received once (ApproximateReceiveCount 1).
+FIFO_KEPT = pytest.mark.parametrize("sqs", ["ministack"], indirect=True)
 _names = itertools.count()
 
 
