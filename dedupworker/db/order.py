@@ -38,8 +38,9 @@ FROM (SELECT queue, entity FROM dedupworker.jobs
 # A settled job leaves its line: its line's next waiting job is made ready. The job leaving is
 # its line's head (only heads are ready, and only ready jobs are claimed), so the line has no
 # other. run_at: now, if it was due before, so that the job joins the ready index's tail
-# rather than its head, behind every claim's cursor. Its queue's workers are woken at COMMIT
-# (as by an enqueue: idle ones wait for a NOTIFY). `{left}`: the leaving heads, a CTE of
+# rather than its head, behind every claim's cursor. No NOTIFY (migration 9): the settling
+# worker looks for work again at once, idle ones soon (while a head is in flight, its row is
+# due: they look again within IN_FLIGHT_RECHECK). `{left}`: the leaving heads, a CTE of
 # (queue, entity, in_line) as they were. The next jobs' ids come as an array (one primary-key
 # look-up each): joined instead, they were planned as a scan of the whole table per batch.
 _NEXT = """
@@ -51,7 +52,6 @@ WHERE j.id = ANY (ARRAY(
               AND w.status = 'waiting'
             ORDER BY w.queue, w.entity, w.id LIMIT 1)
     FROM {left} AS l WHERE l.in_line))
-RETURNING pg_notify('dedupworker_jobs', j.queue)
 """
 
 # Acknowledged: deleted, the next jobs ready.

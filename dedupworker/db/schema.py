@@ -241,6 +241,21 @@ END
 $fn$;
 """
 
+# A promotion wakes no one: the worker that settled the head looks for work again at once, and
+# an idle worker looks again within IN_FLIGHT_RECHECK while a line's head is in flight (its row
+# is due). A NOTIFY at each promotion cost the hot-entity drain a tenth of its speed.
+_QUIET_PROMOTION = """
+CREATE OR REPLACE FUNCTION dedupworker.next_in_line(q text, e jsonb) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    UPDATE dedupworker.jobs SET status = 'ready', run_at = greatest(run_at, clock_timestamp())
+    WHERE id = (SELECT w.id FROM dedupworker.jobs w
+                WHERE w.queue = q AND w.entity = e AND w.in_line AND w.status = 'waiting'
+                ORDER BY w.queue, w.entity, w.id LIMIT 1);
+END
+$fn$;
+"""
+
 # Append only: a released version's migration never changes (see docs/migrations.md).
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "jobs table", _JOBS),
@@ -267,6 +282,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     ),
     (7, "queue pauses, audit, worker heartbeats, throughput", _CONSOLE),
     (8, "ordered queues", _ORDER),
+    (9, "ordered queues: promotions without a NOTIFY", _QUIET_PROMOTION),
 )
 
 
