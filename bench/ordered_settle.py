@@ -1,7 +1,8 @@
 """What a batch's settlement costs on an ordered queue: 100-job batches acknowledged on one
-connection, server and round trip per job, an ordered queue against an unordered one, rounds
-alternating. Besides the whole settlement (the lines' locks, then the heads leaving), each half
-alone, to show where the difference goes (docs/order.md, "What it costs").
+connection (each batch's statements and its COMMIT in one round trip, as the batch engine sends
+them), time per job, an ordered queue against an unordered one, rounds alternating. Besides the
+whole settlement (the lines' locks, then the heads leaving), each half alone, to show where the
+difference goes (docs/order.md, "What it costs").
 
 Run from the repository root:  python -m bench.ordered_settle [--rounds 5]
 """
@@ -36,7 +37,8 @@ VARIANTS = {
 def settle_all(conn: psycopg.Connection[Any], ids: list[int], statements: tuple[str, ...]) -> None:
     for start in range(0, len(ids), BATCH):
         chunk = ids[start : start + BATCH]
-        with conn.transaction():
+        # in one round trip with the COMMIT, as the batch engine sends them
+        with conn.pipeline(), conn.transaction():
             for statement in statements:
                 conn.execute(statement, (chunk,))
 
