@@ -341,6 +341,13 @@ CROSS JOIN LATERAL (
 BATCH_RECORD = "INSERT INTO dedupworker.processed (scope, key) SELECT %s, unnest(%s::text[])"
 
 # The postgres queue's settlement of many jobs, one statement per outcome.
+# A batch's settlement is planned by primary key whatever the statistics say: on a queue filled
+# since its last ANALYZE, `id = ANY (...)` and the joins on unnest(...) were planned as
+# sequential scans of the whole jobs table, one per statement per batch, until autovacuum's
+# ANALYZE (tests/postgres/test_line_plans.py). The handler's statements are done by then; the
+# reset is for an `after_settle` hook's.
+SETTLE_PLAN = "SELECT set_config('enable_seqscan', 'off', true)"
+SETTLE_PLAN_RESET = "RESET enable_seqscan"
 ACK_MANY = "DELETE FROM dedupworker.jobs WHERE id = ANY (%s::int8[])"
 REQUEUE_CONTENDED_MANY = """
 UPDATE dedupworker.jobs j

@@ -220,6 +220,7 @@ class PostgresTransport:
     def settle_many(self, settlements: Settlements, conn: Executor | None) -> None:
         """A batch's outcomes in one statement each, in its transaction (transport.SettlesMany)."""
         batch = _require(conn)
+        batch.execute(sql.SETTLE_PLAN)
         if self.ordered and (settlements.acks or settlements.dead):
             acked = [d.receipt.id for d in settlements.acks]
             dead = _dead_columns(settlements.dead) if settlements.dead else None
@@ -244,6 +245,7 @@ class PostgresTransport:
             )
         if settlements.dead:
             batch.execute(sql.DEAD_LETTER_MANY, _dead_columns(settlements.dead))
+        batch.execute(sql.SETTLE_PLAN_RESET)
 
     def wait_for_work(self, stop: threading.Event, timeout: float) -> None:
         """Sleep until a NOTIFY, the next delayed job's run_at, or `timeout` (while the queue
