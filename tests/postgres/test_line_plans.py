@@ -10,7 +10,6 @@ batch statement read all 20,000 jobs on the first two queues.)"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 
 from dedupworker import enqueue, set_queue
 from dedupworker.db import order, sql
-from tests.postgres.test_claim_plans import rows_read
+from tests.postgres.test_claim_plans import Ready, explain
 
 pytestmark = pytest.mark.postgres
 
@@ -95,19 +94,13 @@ SETTLEMENTS: dict[str, tuple[str, Callable[[list[int]], tuple[Any, ...]]]] = {
 }
 
 
-def explain(
-    conn: psycopg.Connection[Any], name: str, params: tuple[Any, ...], cache_mode: str
+def plan_of(
+    conn: psycopg.Connection[Any], name: str, batch: list[int], cache_mode: str
 ) -> list[tuple[str, int]]:
-    query = SETTLEMENTS[name][0]
-    with conn.transaction(force_rollback=True):
-        if name.endswith(("_MANY", "_HEADS", "_JOBS")):
-            conn.execute(sql.SETTLE_PLAN)
-        conn.execute(f"SET LOCAL plan_cache_mode = {cache_mode}")
-        row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, params, prepare=True)
-        plan = row.fetchone()
-    assert plan is not None
-    tree = plan[0] if isinstance(plan[0], list) else json.loads(plan[0])
-    return list(rows_read(tree[0]["Plan"]))
+    """test_claim_plans.explain on a settlement: a batch's after sql.SETTLE_PLAN."""
+    query, params = SETTLEMENTS[name]
+    setup = (sql.SETTLE_PLAN,) if name.endswith(("_MANY", "_HEADS", "_JOBS")) else ()
+    return explain(conn, (query, lambda _: params(batch), setup, 4 * BATCH), Ready(), cache_mode)
 
 
 @pytest.mark.parametrize("state", list(STATES))
@@ -117,9 +110,9 @@ def test_every_settlement_of_a_line_reads_about_what_it_settles(dsn: str, state:
         batch = sorted(heads(conn))[:BATCH]
         assert len(batch) == BATCH
         problems = []
-        for name, (_, params) in SETTLEMENTS.items():
+        for name in SETTLEMENTS:
             for cache_mode in ("force_custom_plan", "force_generic_plan"):
-                nodes = explain(conn, name, params(batch), cache_mode)
+                nodes = plan_of(conn, name, batch, cache_mode)
                 read = sum(rows for _, rows in nodes)
                 if read > 4 * BATCH or any(node == "Seq Scan" for node, _ in nodes):
                     problems.append(f"{name} ({cache_mode}): {nodes}, {read} rows read")

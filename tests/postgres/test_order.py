@@ -129,8 +129,17 @@ def poisoned(conn: psycopg.Connection[Any]) -> list[int]:
     return enqueue(conn, "q", jobs, entity=entity_of)
 
 
-def drain(dsn: str, tmp_path: Path) -> None:
-    run = Run(dsn, dsn, tmp_path, handler="tests.support.order_handlers:OrderedPoisonHandler")
+POISON = "tests.support.order_handlers:OrderedPoisonHandler"
+# A poison job is dead-lettered one job at a time (per-message) or by a batch's settlement.
+POISONED = pytest.mark.parametrize(
+    "handler",
+    [POISON, f"{CHECKED}:OrderedBatchCheckedHandler"],
+    ids=["transaction", "batch"],
+)
+
+
+def drain(dsn: str, tmp_path: Path, handler: str) -> None:
+    run = Run(dsn, dsn, tmp_path, handler=handler)
     run.drain(1, lambda stop: None)
 
 
@@ -138,24 +147,26 @@ def effects(conn: psycopg.Connection[Any]) -> list[str]:
     return [row[0] for row in conn.execute("SELECT msg FROM check_effects ORDER BY at")]
 
 
+@POISONED
 def test_a_dead_head_is_skipped_and_its_entity_goes_on(
-    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, handler: str
 ) -> None:
     set_queue(conn, "q", ordered=True, on_dead="skip")
     poisoned(conn)
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, handler)
     assert sorted(effects(conn)) == ["a", "b", "c", "d"]
     assert out_of_order(conn)[0] == 0
     assert statuses(conn) == {"dead": 1}
     assert scalar(conn, "SELECT count(*) FROM dedupworker.jobs WHERE in_line") == 0
 
 
+@POISONED
 def test_a_dead_head_blocks_its_entity_until_an_operator_acts(
-    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, handler: str
 ) -> None:
     set_queue(conn, "q", ordered=True, on_dead="block")
     dead_id = poisoned(conn)[0]
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, handler)
     assert sorted(effects(conn)) == ["b", "d"]  # entity 2 was never held up
     assert statuses(conn) == {"dead": 1, "waiting": 2}
     [job] = admin.list_dead(conn, queue="q")
@@ -170,7 +181,7 @@ def test_a_dead_head_blocks_its_entity_until_an_operator_acts(
     # Discarded: the next job of entity 1 runs, and the one after it.
     admin.discard_dead(conn, [dead_id], queue="q")
     assert statuses(conn) == {"ready": 1, "waiting": 1}
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, handler)
     assert effects(conn)[-2:] == ["a", "c"]
     assert statuses(conn) == {}
 
@@ -180,7 +191,7 @@ def test_a_requeued_dead_head_runs_first_again(
 ) -> None:
     set_queue(conn, "q", ordered=True, on_dead="block")
     dead_id = poisoned(conn)[0]
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, POISON)
     conn.execute(
         'UPDATE dedupworker.jobs SET body = convert_to(\'{"msg": "p", "entity": 1, '
         "\"seq\": 1}', 'UTF8') WHERE id = %s",
@@ -188,7 +199,7 @@ def test_a_requeued_dead_head_runs_first_again(
     )  # the operator fixed what it failed on
     admin.requeue_dead(conn, [dead_id], queue="q")
     assert statuses(conn) == {"ready": 1, "waiting": 2}
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, POISON)
     assert effects(conn)[-3:] == ["p", "a", "c"]
     assert out_of_order(conn)[0] == 0 and statuses(conn) == {}
 
@@ -198,10 +209,10 @@ def test_letting_blocked_lines_go_runs_what_waited(
 ) -> None:
     set_queue(conn, "q", ordered=True, on_dead="block")
     poisoned(conn)
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, POISON)
     set_queue(conn, "q", on_dead="skip")
     assert statuses(conn) == {"dead": 1, "ready": 1, "waiting": 1}
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, POISON)
     assert sorted(effects(conn)) == ["a", "b", "c", "d"] and out_of_order(conn)[0] == 0
 
 
@@ -212,7 +223,7 @@ def test_a_job_enqueued_in_another_entitys_line_is_dead_lettered(
     create_tables(conn)
     enqueue(conn, "q", [{"msg": "x", "entity": 1, "seq": 1}], entity=lambda _: 99)
     enqueue(conn, "q", [{"msg": "y", "entity": 1, "seq": 1}], entity=entity_of)
-    drain(dsn, tmp_path)
+    drain(dsn, tmp_path, POISON)
     assert effects(conn) == ["y"]
     [job] = admin.list_dead(conn, queue="q")
     assert job.error is not None and "in the line of entity 99" in job.error

@@ -46,4 +46,4 @@ def heads_leave(
     if acked:
         conn.execute(order.ACK_HEADS, (acked,))
     if dead:
-        conn.execute(order.DEAD_HEADS, (queue, *dead))
+        conn.execute(order.DEAD_HEADS, (queue, dead[0], *dead))  # its ids twice: see the SQL
