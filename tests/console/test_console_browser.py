@@ -204,6 +204,31 @@ def test_the_queues_page_follows_the_depth_as_a_worker_drains(
     assert scalar(conn, "SELECT count(*) FROM dedupworker.jobs WHERE queue = 'invoices'") == 1
 
 
+def test_a_page_that_refreshes_itself_swaps_its_content_without_navigating(
+    conn: psycopg.Connection[Any], ui: Ui
+) -> None:
+    """A reload of the page's own is a navigation, and the later of two navigations wins: one
+    falling due while the operator's click was under way took the browser back to the page it
+    was leaving. The content is swapped in place instead, and a console that stops answering
+    says so on the page instead of showing old figures as current."""
+    page = ui.page
+    console = ui.start_console(ui.dsn, refresh=1)
+    navigations: list[str] = []
+    page.on("framenavigated", lambda frame: navigations.append(frame.url))
+    page.goto(f"{console.url}/queues")
+    page.evaluate("window.sameDocument = true")
+    enqueue(conn, "refreshing", [{"entity": 1}, {"entity": 2}])
+    expect(queue_row(page, "refreshing").locator("td.ready")).to_have_text("2", timeout=WAIT_MS)
+    assert page.evaluate("window.sameDocument") is True
+    assert navigations == [f"{console.url}/queues"]
+
+    console.proc.terminate()
+    console.proc.wait(30)
+    expect(page.locator("main p#stale")).to_contain_text("did not answer", timeout=WAIT_MS)
+    expect(queue_row(page, "refreshing").locator("td.ready")).to_have_text("2")
+    assert navigations == [f"{console.url}/queues"]
+
+
 def test_the_locks_page_names_the_holder_of_a_slow_call_and_its_waiter(
     conn: psycopg.Connection[Any], ui: Ui, start_worker: StartWorker, tmp_path: Path
 ) -> None:

@@ -35,10 +35,12 @@ log = logging.getLogger("dedupworker.ops.console")
 
 FORM_LIMIT = 256 * 1024  # bytes of a form (500 ids and a search fit many times over)
 SPARKS = "▁▂▃▄▅▆▇█"
-# Nothing but this page's own inline style and script, no framing, forms posting only here.
+# Nothing but this page's own inline style and script, no framing, forms posting only here;
+# fetches only here (a page refreshing its content in place).
 CSP = (
     "default-src 'none'; style-src 'nonce-{nonce}'; script-src 'nonce-{nonce}'; "
-    "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    "connect-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+    "base-uri 'none'"
 )
 
 
