@@ -43,3 +43,24 @@ class OrderedNoopBatch(NoopBatch):
     """NoopBatch on an ordered queue."""
 
     ordered = True
+
+
+class NoopTwo(Noop):
+    """Noop holding two entities per message (docs/lock-shapes.md): the body's entity and the
+    one a million above it."""
+
+    def entity_ids(self, message: Message) -> tuple[int, int]:
+        entity: int = message.json()["entity"]
+        return entity, entity + 1_000_000
+
+
+class NoopLimited(Noop):
+    """Noop with up to 3 calls per entity."""
+
+    entity_limit = 3
+
+
+class NoopShared(Noop):
+    """Noop holding its entity shared."""
+
+    lock_mode = "shared"

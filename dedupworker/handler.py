@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
+import functools
 import inspect
-import os
-import sys
-import traceback
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 import psycopg
@@ -18,7 +16,9 @@ from dedupworker.db.schema import INTERNAL_NAMESPACE
 from dedupworker.db.sql import JOB_NAMESPACE
 from dedupworker.decide.keys import INT4_MAX, INT4_MIN, KEY_MODES, KeyMode, is_int
 from dedupworker.decide.outcomes import Outcome
-from dedupworker.errors import ConfigurationError, HandlerNotFound
+from dedupworker.decide.shapes import LockShape, ShapeError, shape_of
+from dedupworker.errors import ConfigurationError
+from dedupworker.loading import load_class
 from dedupworker.message import Message
 
 
@@ -70,6 +70,11 @@ class Handler:
     # whose jobs of one entity run one at a time in enqueue order (docs/order.md). A handler
     # and its queue must agree: the worker refuses to start otherwise.
     ordered: ClassVar[bool] = False
+    # Lock shapes (docs/lock-shapes.md): how many calls may hold one entity at once, each in a
+    # slot of its own (slot 0 is the entity's one key), and whether holders are exclusive or
+    # shared (shared holders run together, never beside an exclusive one).
+    entity_limit: ClassVar[int] = 1
+    lock_mode: ClassVar[Literal["exclusive", "shared"]] = "exclusive"
 
     @property
     def name(self) -> str:
@@ -79,6 +84,28 @@ class Handler:
     def entity_id(self, message: Message) -> int | str:
         """The entity this message touches; messages of one entity never run at once."""
         raise NotImplementedError(f"{type(self).__name__}.entity_id() is not implemented")
+
+    def entity_ids(self, message: Message) -> Iterable[int | str]:
+        """Instead of `entity_id`: the entities this message touches (a transfer's two
+        accounts, say); the call runs only once it holds every one of them (each once, at most
+        `dedupworker.decide.shapes.MAX_ENTITIES`). A handler that defines it is locked by it
+        alone (its `entity_id`, if any, is not called). Default: `entity_id`'s one."""
+        return (self.entity_id(message),)
+
+    @functools.cached_property
+    def lock_shape(self) -> LockShape:
+        """How this handler's calls lock their entities (checked by `validate_handler`)."""
+        cls = type(self)
+        try:
+            return shape_of(
+                cls.lock_namespace,
+                cls.lock_key_mode,
+                names_entities(cls),
+                cls.entity_limit,
+                cls.lock_mode,
+            )
+        except ShapeError as exc:
+            raise ConfigurationError(f"{cls.__name__}.{exc}") from None
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         """Do the work, inside the locked transaction on `conn`."""
@@ -228,10 +255,50 @@ def validate_handler(handler: Handler) -> None:
     if not isinstance(cls.ordered, bool):
         raise ConfigurationError(f"{cls.__name__}.ordered = {cls.ordered!r}; give True or False")
     _check_batch(cls)
-    for method in ("entity_id", "handle"):
-        if getattr(cls, method) is getattr(Handler, method):
-            raise ConfigurationError(f"{cls.__name__} must implement {method}()")
+    if cls.handle is Handler.handle:
+        raise ConfigurationError(f"{cls.__name__} must implement handle()")
+    _check_entities(cls)
     _check_scope(cls)
+    _check_shape(handler)
+
+
+def names_entities(cls: type[Handler]) -> bool:
+    """The handler names its entities with entity_ids() (several per message)."""
+    return cls.entity_ids is not Handler.entity_ids
+
+
+def _check_entities(cls: type[Handler]) -> None:
+    has_one = cls.entity_id is not Handler.entity_id
+    if not has_one and not names_entities(cls):
+        raise ConfigurationError(
+            f"{cls.__name__} must implement entity_id() (one entity per message) or entity_ids() "
+            "(several)"
+        )
+
+
+def _check_shape(handler: Handler) -> None:
+    """A shape that cannot hold, or one its engine does not lock yet, refused by name."""
+    shape, cls = handler.lock_shape, type(handler)
+    if shape.plain:
+        return
+    if cls.ordered:
+        raise ConfigurationError(
+            f"{cls.__name__}.ordered = True keeps one entity's line in order, one call at a time: "
+            "it takes one entity, one call at a time, exclusively (drop entity_ids, entity_limit "
+            "or lock_mode, docs/order.md)"
+        )
+    engine = (
+        "the batch engine (BatchHandler)"
+        if issubclass(cls, BatchHandler)
+        else 'the session-lock engine (lock_scope = "session")'
+        if cls.lock_scope == "session"
+        else None
+    )
+    if engine is not None:
+        raise ConfigurationError(
+            f"{cls.__name__}: entity_ids, entity_limit and lock_mode run on the per-message "
+            f'engine (a Handler with lock_scope = "transaction"), not yet on {engine}'
+        )
 
 
 def _check_namespace(cls: type[Handler]) -> None:
@@ -269,71 +336,9 @@ def _check_scope(cls: type[Handler]) -> None:
                 )
 
 
-_EXAMPLE = "dedupworker run myservice.handlers:DeliverWebhook"
-
-
 def load_handler(path: str) -> Handler:
     """Import `package.module:HandlerClass`, instantiate it and validate its settings."""
     handler = load_class(path, (Handler,))
     assert isinstance(handler, Handler)
     validate_handler(handler)
     return handler
-
-
-def load_class(path: str, bases: tuple[type, ...]) -> Any:
-    """Import `package.module:Class`, check it subclasses one of `bases`, instantiate it."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise HandlerNotFound(f"{path!r} is not of the form module:Class, e.g. `{_EXAMPLE}`")
-    module = _import(module_name, path)
-    obj = getattr(module, attr, None)
-    kinds = " or ".join(f"dedupworker.{base.__name__}" for base in bases)
-    if obj is None:
-        found = sorted(
-            name
-            for name, value in vars(module).items()
-            if inspect.isclass(value) and issubclass(value, bases) and value not in bases
-        )
-        hint = f"; found there: {', '.join(found)}" if found else ""
-        raise HandlerNotFound(f"module {module_name!r} has no attribute {attr!r}{hint}")
-    if not (inspect.isclass(obj) and issubclass(obj, bases)):
-        raise HandlerNotFound(f"{path!r} is not a subclass of {kinds}")
-    return obj()
-
-
-def _import(module_name: str, path: str) -> Any:
-    # Like `python -m`, let handlers live in the current directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            raise HandlerNotFound(
-                f"cannot import module {module_name!r} for {path!r}: run from the directory "
-                f"that contains it or install its package (e.g. `{_EXAMPLE}`)"
-            ) from exc
-        raise HandlerNotFound(f"importing {module_name!r} failed: {exc}{_where(exc)}") from exc
-    except Exception as exc:
-        raise HandlerNotFound(
-            f"importing {module_name!r} raised {type(exc).__name__}: {exc}{_where(exc)}"
-        ) from exc
-
-
-# Frames of the import machinery (importlib's, dedupworker's), not of the user's code.
-_MACHINERY = (
-    "<frozen ",
-    os.path.dirname(importlib.__file__ or "") + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
-
-
-def _where(exc: BaseException) -> str:
-    """Where in the user's code importing their module failed: the traceback's frames but
-    importlib's and dedupworker's (it is their code; the error line says the rest)."""
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if not frame.filename.startswith(_MACHINERY)
-    ]
-    return "\n" + "".join(traceback.format_list(frames)).rstrip() if frames else ""

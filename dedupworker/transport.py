@@ -45,6 +45,9 @@ class Delivery:
     # Its entity, once the engine found it (outcomes.identify): kept with a dead letter where
     # the transport can (the postgres queue's jobs.entity, searched by the console).
     entity: int | str | None = None
+    # A handler with entity_ids(): all its entities, normalized, each once (`entity` is the
+    # first); None for one entity.
+    entities: tuple[int | str, ...] | None = None
     # On an ordered queue: the entity whose line the message holds a place in (the one given at
     # enqueue); its engine dead-letters it if that is not its handler's (outcomes.identify).
     in_line: int | str | None = None

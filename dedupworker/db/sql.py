@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
 # The session-lock engine (dedupworker.engines.session) claims a postgres job by a session lock
@@ -119,7 +121,14 @@ _LOCKS = {
            WHEN entity IS NULL THEN NULL
            ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
        END""",
+    # A handler of another lock shape (dedupworker.decide.shapes) locks its entities itself:
+    # its claims try no entity's lock, whatever its jobs were enqueued with.
+    "shaped": "NULL::boolean",
 }
+# How a claim tries the entity given at enqueue: a key mode, or "shaped" (not at all).
+ClaimLock = Literal["int4", "hash64", "shaped"]
+# The handler's lock_namespace, once per use of it in _LOCKS[mode].
+LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1, "shaped": 0}
 CLAIM_LOCKING = {
     mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT, late=LATE)
     for mode, lock in _LOCKS.items()

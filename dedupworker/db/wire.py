@@ -107,8 +107,8 @@ _ENCODERS: dict[type, Callable[[Any], bytes | None]] = {
 
 
 def _array_param(values: list[Any]) -> bytes:
-    """A list as a PostgreSQL array literal (ints, floats, bools, strs, None): one text array
-    parameter instead of one parameter per value (the batch engine's statements)."""
+    """A list (or tuple) as a PostgreSQL array literal (ints, floats, bools, strs, None): one
+    text array parameter instead of one parameter per value (the batch engine's statements)."""
     kinds = set(map(type, values))
     if kinds == _INTS:
         return b"{%s}" % ",".join(map(str, values)).encode()  # ids: the common case
@@ -137,6 +137,7 @@ def _element(value: Any) -> bytes:
 
 
 _ENCODERS[list] = _array_param
+_ENCODERS[tuple] = _array_param
 
 _BASES: tuple[type[Any], ...] = (bool, int, float, str, bytes)  # bool first: it is an int too
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 INT4_MIN = -(2**31)
 INT4_MAX = 2**31 - 1
@@ -50,7 +50,7 @@ class LockKey:
     namespace: int
     entity: int | str
     sql: str
-    params: tuple[int | str, ...]
+    params: tuple[Any, ...]  # hashable: ints, strs, bools and tuples (sent as arrays)
 
 
 def fits_int4(value: int) -> bool:

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from dedupworker.decide.keys import normalize_entity
+from dedupworker.decide.shapes import LockShape, entities_of
 from dedupworker.errors import Reject, RetryLater
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dedupworker.message import Message
     from dedupworker.transport import Delivery
 
@@ -33,7 +36,12 @@ class Policy(Protocol):
 class Identifies(Protocol):
     """What `identify` asks of a handler (`dedupworker.Handler` is one)."""
 
+    @property
+    def lock_shape(self) -> LockShape: ...
+
     def entity_id(self, message: Message) -> int | str: ...
+
+    def entity_ids(self, message: Message) -> Iterable[int | str]: ...
 
     def dedup_key(self, message: Message) -> str | None: ...
 
@@ -102,28 +110,35 @@ def bound_text(text: str, limit: int) -> str:
     return TRACEBACK_CUT + tail
 
 
-def on_bad_entity(exc: Exception) -> Verdict:
-    """entity_id() raised or returned something unusable: the body is malformed."""
+def on_bad_entity(exc: Exception, method: str = "entity_id") -> Verdict:
+    """entity_id() (or entity_ids()) raised or returned something unusable: the body is
+    malformed."""
     return Verdict(
         Outcome.DEAD_LETTERED,
-        reason=f"entity_id() failed, the message is malformed: {describe_error(exc)}",
+        reason=f"{method}() failed, the message is malformed: {describe_error(exc)}",
         error=exc,
     )
 
 
 def identify(handler: Identifies, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
-    """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`) and
+    """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`, and
+    with entity_ids() all of them as `delivery.entities`, the first as its entity) and
     its ledger key, or, when `entity_id()` or `dedup_key()` raised or gave something unusable,
     its verdict: every engine's first step."""
     message = delivery.message
+    several = handler.lock_shape.several
     try:
-        entity = normalize_entity(handler.entity_id(message))
+        if several:
+            delivery.entities = entities_of(handler.entity_ids(message))
+            entity = delivery.entities[0]
+        else:
+            entity = normalize_entity(handler.entity_id(message))
         delivery.entity = entity
         if delivery.in_line is not None and delivery.in_line != entity:
             return on_wrong_line(delivery.in_line, entity)
         return entity, handler.dedup_key(message)
     except Exception as exc:
-        return on_bad_entity(exc)
+        return on_bad_entity(exc, "entity_ids" if several else "entity_id")
 
 
 def on_wrong_line(line: int | str, entity: int | str) -> Verdict:

@@ -43,6 +43,7 @@ class Recorder:
         self.stats: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()  # guards stats
         self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
+        metrics.HANDLER_LOCK_SHAPE.labels(handler.name, handler.lock_shape.label).set(1)
         self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
         self._batch_size = metrics.BATCH_SIZE.labels(handler.name)
         self._counted = {

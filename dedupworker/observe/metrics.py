@@ -42,6 +42,13 @@ SECONDS_SINCE_PROGRESS = Gauge(
     "Seconds since an engine of this worker last moved a message on or found nothing to do "
     "(0 while one waits for work); /healthz fails past --health-bound while messages wait.",
 )
+HANDLER_LOCK_SHAPE = Gauge(
+    "dedupworker_handler_lock_shape",
+    "How a handler's calls lock their entities (always 1; docs/lock-shapes.md): 'one' (one "
+    "entity, exclusive), else 'several', 'limit=N' and 'shared' joined by commas; join it with "
+    'dedupworker_messages_total{outcome="contended"} for contention by lock shape.',
+    ["handler", "shape"],
+)
 IN_FLIGHT = Gauge(
     "dedupworker_in_flight",
     "Messages being processed right now.",

@@ -19,12 +19,14 @@ writes in `dedupworker_testing.effects` on whatever connection applied the effec
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from typing import Any
 
 import psycopg
 
+from dedupworker.decide.shapes import entities_of
 from dedupworker.handler import Handler
 from dedupworker.message import Message
 
@@ -99,7 +101,7 @@ class Recording(Handler):
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         msg = message_index(message)
-        entity = str(self.entity_id(message))
+        entity = recorded_entity(self, message)
         call = _side_query(_START, (msg, entity, os.getpid(), conn.info.backend_pid))
         _current.call = (call, msg)
         try:
@@ -111,6 +113,13 @@ class Recording(Handler):
             _current.call = None
         row = conn.execute(_COMMITTED, (call, msg)).fetchone()
         _side_query(_ENDED, (row[0] if row else None, call))
+
+
+def recorded_entity(handler: Handler, message: Message) -> str:
+    """What a call is recorded with: its entity_id, or the JSON list of its entity_ids."""
+    if handler.lock_shape.several:
+        return json.dumps([str(entity) for entity in entities_of(handler.entity_ids(message))])
+    return str(handler.entity_id(message))
 
 
 def message_index(message: Message) -> int | None:

@@ -76,6 +76,9 @@ class Report:
     faults: tuple[str, ...] = ()
     exclusive_by: bool = False
     committed: Mapping[int, int] = field(default_factory=dict)
+    # The handler's entity_limit: an overlap is a call that started while that many of its
+    # entity's were running.
+    entity_limit: int = 1
 
     @property
     def unfinished(self) -> tuple[Call, ...]:
@@ -147,10 +150,16 @@ def overlap_message(report: Report) -> str:
         f"{_call(report, o.second, origin)} started"
         for o in report.overlaps
     ]
+    limit = report.entity_limit
+    rule = (
+        "must never run twice at once"
+        if limit == 1
+        else f"must never run more than entity_limit = {limit} at once"
+    )
     return (
         f"{len(report.overlaps)} pairs of calls overlapped in time on {len(entities)} "
         f"entities ({by}: {', '.join(repr(e) for e in sorted(entities)[:SHOWN])}), which "
-        f"must never run twice at once:\n{_lines(lines)}\n{_overlap_hint(report)}"
+        f"{rule}:\n{_lines(lines)}\n{_overlap_hint(report)}"
         f"\n{report.summary()}"
     )
 
@@ -167,9 +176,9 @@ def _call(report: Report, call: Call, origin: datetime.datetime) -> str:
 def _overlap_hint(report: Report) -> str:
     if any(o.first.entity != o.second.entity for o in report.overlaps):
         return (
-            "The handler's entity_id gave different values for calls that must exclude each "
-            "other, so they took different locks: make entity_id return what must never run "
-            "twice at once."
+            "The handler's entity_id (or entity_ids) gave different values for calls that must "
+            "exclude each other, so they took different locks: make it return what must never "
+            "run twice at once (every one of them, for a call of several entities)."
         )
     return (
         "Both calls took the same entity_id's lock at once: is the lock taken with another "
@@ -211,24 +220,29 @@ def read_calls(conn: psycopg.Connection[Any]) -> tuple[Call, ...]:
     return tuple(Call(*row) for row in rows)
 
 
-def find_overlaps(calls: Iterable[Call], key: Callable[[Call], str]) -> tuple[Overlap, ...]:
-    """Pairs of finished calls with one key whose intervals intersect."""
+def find_overlaps(
+    calls: Iterable[Call], keys: Callable[[Call], Iterable[str]], limit: int = 1
+) -> tuple[Overlap, ...]:
+    """Pairs of finished calls sharing a key, the later one started while `limit` calls of
+    that key were running already (limit 1: any two whose intervals intersect)."""
     by_key: dict[str, list[Call]] = collections.defaultdict(list)
     for call in calls:
         if call.ended_at is not None:
-            by_key[key(call)].append(call)
+            for key in keys(call):
+                by_key[key].append(call)
     found: list[Overlap] = []
     for entity, group in by_key.items():
-        found += _overlapping(entity, sorted(group, key=lambda c: (c.started_at, c.id)))
+        found += _overlapping(entity, sorted(group, key=lambda c: (c.started_at, c.id)), limit)
     return tuple(sorted(found, key=lambda o: (o.second.started_at, o.first.id)))
 
 
-def _overlapping(entity: str, calls: list[Call]) -> list[Overlap]:
+def _overlapping(entity: str, calls: list[Call], limit: int) -> list[Overlap]:
     found: list[Overlap] = []
     running: list[Call] = []
     for call in calls:
         running = [r for r in running if r.ended_at is not None and r.ended_at > call.started_at]
-        found += [Overlap(entity, earlier, call) for earlier in running]
+        if len(running) >= limit:
+            found += [Overlap(entity, earlier, call) for earlier in running]
         running.append(call)
     return found
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import psycopg
 
 from dedupworker.decide.keys import is_int
+from dedupworker.decide.shapes import LockShape
 from dedupworker.errors import ConfigurationError
 from dedupworker.handler import Handler, load_handler
 from dedupworker.testing._faults import Context, Fault, Injector, fault_of
@@ -68,10 +69,11 @@ def run(
     See docs/testing.md for every parameter.
     """
     path, roots = handler_path(handler)
+    shape = load_handler(path).lock_shape
     given = list(messages)
     _check(concurrency=concurrency, processes=processes, copies=copies, timeout=timeout)
     plan = [fault_of(spec) for spec in faults]
-    exclusive = None if exclusive_by is None else [str(exclusive_by(m)) for m in given]
+    exclusive = None if exclusive_by is None else [keys_of(exclusive_by(m)) for m in given]
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_tables(conn)
     keys = None if key is None else (lambda index: key(given[index]))
@@ -84,7 +86,14 @@ def run(
         state.dead = source.dead()
     finally:
         source.close()
-    return state.report(exclusive, effects)
+    return state.report(exclusive, effects, shape)
+
+
+def keys_of(value: object) -> list[str]:
+    """What exclusive_by returned as the keys a call must hold: one, or each of a list."""
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        return [str(item) for item in value]
+    return [str(value)]
 
 
 def handler_path(handler: str | type[Handler] | Handler) -> tuple[str, list[str]]:
@@ -214,23 +223,28 @@ class _Run:
     def _resend(self, index: int) -> None:
         self.source.send([(index, self.bodies[index])])
 
-    def report(self, exclusive: list[str] | None, effects: str | None) -> Report:
+    def report(
+        self, exclusive: list[list[str]] | None, effects: str | None, shape: LockShape
+    ) -> Report:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             calls = read_calls(conn)
             commits = read_commits(conn)
             effect_rows = read_effects(conn, effects)
 
-        def entity(call: Call) -> str:
+        def entities(call: Call) -> list[str]:
             index = call.message
             if exclusive is not None and index is not None and 0 <= index < len(exclusive):
                 return exclusive[index]
-            return call.entity
+            return json.loads(call.entity) if shape.several else [call.entity]
+
+        # Shared holders may all run at once: nothing to check among one handler's calls.
+        overlaps = () if shape.shared else find_overlaps(calls, entities, shape.limit)
 
         settled = set(commits) | {d.message for d in self.dead}
         return Report(
             messages=tuple(self.bodies),
             calls=calls,
-            overlaps=find_overlaps(calls, entity),
+            overlaps=overlaps,
             lost=tuple(i for i in range(len(self.bodies)) if i not in settled),
             dead=tuple(self.dead),
             duplicates=find_duplicates(effect_rows),
@@ -238,6 +252,7 @@ class _Run:
             faults=tuple(self.events),
             exclusive_by=exclusive is not None,
             committed=commits,
+            entity_limit=shape.limit,
         )
 
 

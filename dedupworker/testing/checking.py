@@ -167,7 +167,7 @@ def fail_first(body: dict[str, Any], message: Message) -> None:
         raise RuntimeError(f"message {body['msg']}: its first attempt fails, as asked")
 
 
-def _now() -> datetime.datetime:
+def now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
@@ -195,7 +195,7 @@ class CheckedHandler(Handler):
         call = self._record(
             "INSERT INTO check_calls (msg, entity, pid, started_at) VALUES (%s, %s, %s, %s)"
             " RETURNING id",
-            (str(body["msg"]), str(body["entity"]), os.getpid(), _now()),
+            (str(body["msg"]), str(body["entity"]), os.getpid(), now()),
         )
         time.sleep(float(body.get("work_ms", 5)) / 1000)
         row = conn.execute(EFFECT + " RETURNING clock_timestamp()", effect(body)).fetchone()
@@ -238,7 +238,7 @@ class BatchCheckedHandler(BatchHandler, CheckedHandler):
 
     def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
         bodies = [message.json() for message in messages]
-        started, pid = _now(), os.getpid()
+        started, pid = now(), os.getpid()
         calls = self._record(
             "INSERT INTO check_calls (msg, entity, pid, started_at)"
             " SELECT unnest(%s::text[]), unnest(%s::text[]), %s, %s RETURNING id",

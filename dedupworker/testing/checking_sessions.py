@@ -24,10 +24,10 @@ from dedupworker.message import Message
 from dedupworker.testing.checking import (
     EFFECT,
     QUICK_RETRIES,
-    _now,
     create_tables,
     effect,
     fail_first,
+    now,
 )
 
 # Calls of SessionCheckedHandler that their lock session's loss cut off: when each ended (the
@@ -212,7 +212,7 @@ class SessionCheckedHandler(Handler):
 
     async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
         body = message.json()
-        start = (str(body["msg"]), str(body["entity"]), os.getpid(), _now())
+        start = (str(body["msg"]), str(body["entity"]), os.getpid(), now())
         # Its own task: a cancellation meanwhile must not tear the side connection's statement.
         begun = asyncio.ensure_future(self._side.record(_START, start))
         try:
@@ -221,10 +221,10 @@ class SessionCheckedHandler(Handler):
             conn.execute(_EFFECT, effect(body))
             if call is not None:
                 conn.execute(_SETTLED, (call,))
-                await asyncio.shield(self._side.record(_RETURNED, (_now(), call), keep=True))
+                await asyncio.shield(self._side.record(_RETURNED, (now(), call), keep=True))
             fail_first(body, message)
         except (asyncio.CancelledError, SessionLost):
-            await asyncio.shield(self._cut_off(begun, _now()))
+            await asyncio.shield(self._cut_off(begun, now()))
             raise
 
     async def _cut_off(self, begun: asyncio.Future[Any], at: datetime.datetime) -> None:
@@ -243,7 +243,7 @@ class SessionCheckedThreadHandler(SessionCheckedHandler):
 
     def handle(self, message: Message, conn: CallConnection) -> None:  # type: ignore[override]
         body = message.json()
-        start = (str(body["msg"]), str(body["entity"]), os.getpid(), _now())
+        start = (str(body["msg"]), str(body["entity"]), os.getpid(), now())
         call = self._sync_side.record(_START, start)
         try:
             time.sleep(float(body.get("work_ms", 5)) / 1000)
@@ -252,10 +252,10 @@ class SessionCheckedThreadHandler(SessionCheckedHandler):
                 conn.execute(_SETTLED, (call,))
         except SessionLost:
             if call is not None:
-                self._sync_side.record(_CUT_OFF, {"at": _now(), "call": call}, keep=True)
+                self._sync_side.record(_CUT_OFF, {"at": now(), "call": call}, keep=True)
             raise
         if call is not None:
-            self._sync_side.record(_RETURNED, (_now(), call), keep=True)
+            self._sync_side.record(_RETURNED, (now(), call), keep=True)
         fail_first(body, message)
 
 

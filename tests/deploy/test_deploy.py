@@ -51,7 +51,8 @@ from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from dedupworker.handler import Handler, load_class, validate_handler
+from dedupworker.handler import Handler, validate_handler
+from dedupworker.loading import load_class
 from dedupworker.observe import metrics
 from dedupworker.ops.cli import main as cli
 from dedupworker.process.singleton import Singleton

@@ -35,9 +35,14 @@ from tests.support.kit_handlers import (
     ApplyPaymentWithoutDedupKey,
     NotifyInTheTransaction,
     NotifyOnItsOwnConnection,
+    TenantCalls,
+    TenantCallsSplitByCall,
+    Transfer,
+    TransferNamingOneAccount,
     balances,
     create_tables,
     expected_balances,
+    kit_transfers,
     notifications,
     payments,
 )
@@ -390,12 +395,14 @@ def test_overlaps_are_pairs_of_intersecting_calls_of_one_entity() -> None:
         call(6, "c", 0, 10),
         call(7, "c", 1, 2),
     ]
-    pairs = [(o.entity, o.first.id, o.second.id) for o in find_overlaps(calls, lambda c: c.entity)]
+    pairs = [
+        (o.entity, o.first.id, o.second.id) for o in find_overlaps(calls, lambda c: [c.entity])
+    ]
     assert pairs == [("a", 1, 2), ("c", 6, 7), ("a", 2, 3)]  # by the later start
     report = Report(
         messages=tuple(b'{"n":%d}' % i for i in range(8)),
         calls=tuple(calls),
-        overlaps=find_overlaps(calls, lambda c: c.entity),
+        overlaps=find_overlaps(calls, lambda c: [c.entity]),
         lost=(),
         dead=(),
         duplicates=(),
@@ -403,3 +410,51 @@ def test_overlaps_are_pairs_of_intersecting_calls_of_one_entity() -> None:
     )
     with pytest.raises(AssertionError, match=r"entity 'c': message #6 \{\"n\":6\}"):
         report.assert_exclusive()
+
+
+def test_overlaps_past_an_entity_limit_and_of_calls_of_several_entities() -> None:
+    calls = [
+        call(1, "a", 0, 3),
+        call(2, "a", 1, 3),  # 2 at once: within entity_limit = 2
+        call(3, "a", 2, 3),  # the third at once: past it, with 1 and 2
+        call(4, "b", 0, 1),
+    ]
+    found = find_overlaps(calls, lambda c: [c.entity], limit=2)
+    assert [(o.entity, o.first.id, o.second.id) for o in found] == [("a", 1, 3), ("a", 2, 3)]
+    # call 4 holds "a" and "b": it overlaps 1 on "a"
+    keys = {1: ["a"], 4: ["a", "b"]}
+    found = find_overlaps(calls[::3], lambda c: keys[c.id])
+    assert [(o.entity, o.first.id, o.second.id) for o in found] == [("a", 1, 4)]
+
+
+def test_a_transfer_holding_both_accounts_passes_and_one_naming_one_account_is_caught(
+    dsn: str,
+) -> None:
+    create_tables(dsn)
+    sent = kit_transfers()
+    both = run(Transfer, sent, dsn=dsn, concurrency=4, exclusive_by=accounts_of)
+    both.assert_ok()
+    assert balances(dsn) == {0: 0, 1: 0, 2: 0}
+    one = run(TransferNamingOneAccount, sent, dsn=dsn, concurrency=4, exclusive_by=accounts_of)
+    with pytest.raises(AssertionError, match=r"pairs of calls overlapped in time") as caught:
+        one.assert_exclusive()
+    assert "exclusive_by" in str(caught.value)
+
+
+def accounts_of(body: dict[str, Any]) -> list[int]:
+    return [body["from"], body["to"]]
+
+
+def test_a_handler_running_past_its_entity_limit_is_caught(dsn: str) -> None:
+    sent = [{"tenant": 7, "n": n} for n in range(24)]
+    within = run(TenantCalls, sent, dsn=dsn, concurrency=6)
+    within.assert_ok()
+    assert within.overlaps == ()
+    split = run(TenantCallsSplitByCall, sent, dsn=dsn, concurrency=6, exclusive_by=tenant_of)
+    with pytest.raises(AssertionError, match="more than entity_limit = 2 at once"):
+        split.assert_exclusive()
+
+
+def tenant_of(body: dict[str, Any]) -> int:
+    tenant: int = body["tenant"]
+    return tenant

@@ -114,3 +114,64 @@ class ApplyPaymentWithoutDedupKey(ApplyPayment):
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
         super().handle(message, conn)
         record_effect(conn, f"payment {message.json()['payment_id']}")
+
+
+def kit_transfers(count: int = 24, accounts: int = 3) -> list[dict[str, Any]]:
+    """Transfers between `accounts` accounts, every pair both ways in turn."""
+    pairs = [(a, b) for a in range(accounts) for b in range(accounts) if a != b]
+    return [
+        {"payment_id": f"t{i}", "from": pairs[i % len(pairs)][0], "to": pairs[i % len(pairs)][1]}
+        for i in range(count)
+    ]
+
+
+class Transfer(Handler):
+    """A transfer of 1 between two accounts: both are its entities (docs/lock-shapes.md)."""
+
+    lock_namespace = 32
+
+    def entity_ids(self, message: Message) -> Any:
+        body = message.json()
+        return body["from"], body["to"]
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        conn.execute(
+            "INSERT INTO kit_balances SELECT a, 0 FROM unnest(%s::int[]) a ON CONFLICT DO NOTHING",
+            ([body["from"], body["to"]],),
+        )
+        time.sleep(0.05)  # long enough for a race to show
+        for account, change in ((body["from"], -1), (body["to"], 1)):
+            conn.execute(
+                "UPDATE kit_balances SET balance = balance + %s WHERE account_id = %s",
+                (change, account),
+            )
+
+
+class TransferNamingOneAccount(Transfer):
+    """The bug: the transfer locks the account it takes from, not the one it pays into."""
+
+    def entity_ids(self, message: Message) -> Any:
+        return (message.json()["from"],)
+
+
+class TenantCalls(Handler):
+    """Up to 2 calls per tenant (entity_limit), each 50 ms."""
+
+    lock_namespace = 33
+    entity_limit = 2
+
+    def entity_id(self, message: Message) -> int | str:
+        tenant: int = message.json()["tenant"]
+        return tenant
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        time.sleep(0.05)
+
+
+class TenantCallsSplitByCall(TenantCalls):
+    """The bug: the entity is the tenant and the call's parity, so a tenant runs 4 at once."""
+
+    def entity_id(self, message: Message) -> int | str:
+        body = message.json()
+        return f"{body['tenant']}-{body['n'] % 2}"

@@ -20,7 +20,6 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from dedupworker.decide import outcomes
-from dedupworker.decide.keys import lock_key
 from dedupworker.decide.turns import LocalTurns
 from dedupworker.engines.common import check_transaction
 from dedupworker.engines.recording import Recorder
@@ -48,7 +47,8 @@ class Runner:
         self.pool = pool
         self.recorder = Recorder(handler, transport.name, observe)
         self.hot = self.recorder.hot
-        self.turns = LocalTurns()
+        self.turns = LocalTurns()  # for shapes of one call at a time per entity
+        self.shape = handler.lock_shape
         self.transactions = source_for(transport, handler, pool)
 
     @property
@@ -94,8 +94,12 @@ class Runner:
             # Locked elsewhere, as starting the message found: back to its source at once.
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
-        key = None if ours else lock_key(handler.lock_namespace, entity, handler.lock_key_mode)
-        if key is not None and not self._take_turn(call, (key.sql, key.params)):
+        key = None if ours else self.shape.key(delivery.entities or (entity,))
+        if (
+            key is not None
+            and self.shape.one_at_a_time
+            and not self._take_turn(call, (key.sql, key.params))
+        ):
             return outcomes.on_contended(handler, delivery)
         locked, seen = self.transactions.lock(call, key, dedup_key)
         if not locked:

@@ -256,7 +256,8 @@ def _merge_pairs(env: str, from_flags: list[list[tuple[str, str]]] | None) -> di
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dedupworker.handler import Handler, load_class, validate_handler
+    from dedupworker.handler import Handler, validate_handler
+    from dedupworker.loading import load_class
     from dedupworker.process.singleton import Singleton
     from dedupworker.process.worker import Worker
 

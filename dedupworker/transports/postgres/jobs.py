@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dedupworker.transport import Transport
 
 if TYPE_CHECKING:
+    from dedupworker.db.sql import ClaimLock
     from dedupworker.db.wire import Executor, Rows
-    from dedupworker.decide.keys import KeyMode
     from dedupworker.transport import Delivery
 
 
@@ -26,7 +26,7 @@ class Jobs(Transport, Protocol):
     def claim(
         self,
         batch: Executor,
-        lock: tuple[int, KeyMode],
+        lock: tuple[int, ClaimLock],
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,

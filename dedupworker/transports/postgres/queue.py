@@ -16,7 +16,7 @@ from dedupworker.config import WorkerConfig
 from dedupworker.db import order, sql
 from dedupworker.db.connect import connection_kwargs
 from dedupworker.db.wire import Executor, Rows
-from dedupworker.decide.keys import KeyMode, normalize_entity
+from dedupworker.decide.keys import normalize_entity
 from dedupworker.message import Message
 from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, MayBeOrdered, Settlements
@@ -121,18 +121,19 @@ class PostgresTransport:
     def claim(
         self,
         batch: Executor,
-        lock: tuple[int, KeyMode],
+        lock: tuple[int, sql.ClaimLock],
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
-        of the entity given at enqueue with the handler's `lock` (namespace, key mode), and
+        of the entity given at enqueue with the handler's `lock` (namespace, key mode, or
+        "shaped": none, for a handler that locks its entities in a shape of its own), and
         with `skip` passes over jobs whose given entity is locked, if it can; else it starts
         at `cursor` (a run_at its thread claimed before; None: the head). With no entity
         given, either tries the lock of the one `hint` finds in the body (see hints.py)."""
         namespace, mode = lock
-        namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
+        namespaces = (namespace,) * sql.LOCK_NAMESPACES[mode]
         if skip:
             params = (self.queue, self.queue, *namespaces, hint, hint)
             return batch.execute(sql.CLAIM_SKIPPING[mode], params)

@@ -90,7 +90,11 @@ class ClaimedTransactions:
         self.queue = queue
         self.pool = pool
         self.handler = handler
-        self._lock = (handler.lock_namespace, handler.lock_key_mode)
+        # A handler of another lock shape locks its entities itself, in the lock's round trip
+        # (decide/shapes.py): its claims lock no entity, and learn no hint.
+        self._shaped = not handler.lock_shape.plain
+        claim_lock: sql.ClaimLock = "shaped" if self._shaped else handler.lock_key_mode
+        self._lock = (handler.lock_namespace, claim_lock)
         self._scope = handler.ledger_scope
         self._timeout = handler.timeout_setting
         # The default hook does nothing: skip the extra round trip it would need.
@@ -128,6 +132,9 @@ class ClaimedTransactions:
     def prelocked(self, call: Call, entity: int | str) -> bool | None:
         """What the claim's try of the entity given at enqueue (or hinted) says of `entity`."""
         delivery = call.delivery
+        if self._shaped:
+            self._thread.savepoint_ahead = False
+            return None
         ours = self.queue.given_lock(delivery, entity)
         self._hints.saw(delivery.message, entity, delivery.receipt.entity, ours)
         self._thread.savepoint_ahead = ours is not None

@@ -1,0 +1,107 @@
+"""Lock shapes against the default shape (docs/lock-shapes.md): the same jobs, the same worker
+(per-message engine, no-op handler, `--concurrency 4`, one process), rounds alternating which
+shape goes first.
+
+Scenarios, each on 20,000 jobs of distinct entities enqueued plainly (the default path), and
+compared with `one entity` of the same round:
+- one entity: `bench.noop:Noop` (the default shape: its lock statement, learnt entity hints);
+- two entities: `bench.noop:NoopTwo` (entity_ids: the entity and another);
+- entity_limit 3: `bench.noop:NoopLimited`;
+- shared: `bench.noop:NoopShared`;
+and `one entity, given`: Noop on jobs enqueued with their entity (the tuned path, whose claim
+locks the entity), for reference.
+
+Throughput is jobs per second from the first job's commit to the last one's, seen from outside
+(bench.draining.Watcher); CPU is the worker's client CPU per job (start-up included) and the
+server's CPU per job (bench.server_cpu).
+
+Run from the repository root:  python -m bench.lock_shapes [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from typing import Any
+
+import psycopg
+
+from bench.draining import Workers, measured, run_dedupworker
+from bench.server_cpu import postmaster_pid
+from dedupworker import Message, enqueue
+from dedupworker.db.schema import migrate
+from dedupworker.dev.embedded import private_postgres
+
+SCENARIOS = {
+    "one entity": ("bench.noop:Noop", False),
+    "two entities": ("bench.noop:NoopTwo", False),
+    "entity_limit 3": ("bench.noop:NoopLimited", False),
+    "shared": ("bench.noop:NoopShared", False),
+    "one entity, given": ("bench.noop:Noop", True),
+}
+
+
+def entity_of(message: Message) -> object:
+    return message.json()["entity"]
+
+
+def run(
+    conn: psycopg.Connection[Any], dsn: str, args: argparse.Namespace, name: str, pid: int | None
+) -> tuple[float, float, float]:
+    handler, given = SCENARIOS[name]
+    bodies = [{"entity": n} for n in range(args.messages)]
+    ids = enqueue(conn, "shapes", bodies, entity=entity_of if given else None)
+    conn.execute("VACUUM ANALYZE dedupworker.jobs")
+    workers = Workers(handler=handler)
+    measure = measured(
+        pid,
+        lambda: run_dedupworker(dsn, "shapes", (ids[0], ids[-1]), args.concurrency, workers),
+    )
+    return measure.rate, measure.cpu_us, measure.server_us or 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    print("$ python -m bench.lock_shapes " + shlex.join(sys.argv[1:]), flush=True)
+    figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in SCENARIOS}
+    server = private_postgres()
+    try:
+        dsn = server.start()
+        pid = postmaster_pid(server)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn)
+            for number in range(1, args.rounds + 1):
+                names = list(SCENARIOS) if number % 2 else list(reversed(SCENARIOS))
+                for name in names:
+                    figure = run(conn, dsn, args, name, pid)
+                    figures[name].append(figure)
+                    print(f"round {number}, {name}: {figure[0]:,.0f} msg/s", flush=True)
+    finally:
+        server.stop()
+    print()
+    print(
+        "| shape | msg/s median (min-max) | / one entity, per round | median "
+        "| client CPU µs/msg | server CPU µs/msg |"
+    )
+    print("|---|---:|---|---:|---:|---:|")
+    base = [figure[0] for figure in figures["one entity"]]
+    for name, rows in figures.items():
+        rates = [row[0] for row in rows]
+        ratios = [rate / one for rate, one in zip(rates, base, strict=True)]
+        print(
+            f"| {name} | {statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f}) "
+            f"| {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} "
+            f"| {statistics.median(row[1] for row in rows):,.0f} "
+            f"| {statistics.median(row[2] for row in rows):,.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The SQL of lock shapes (migration 10; `dedupworker.decide.shapes`, docs/lock-shapes.md).
+
+`dedupworker.slot_key(key, slot)`: slot `slot` of an entity's key. Slot 0 is the key itself,
+the one a handler of the default shape locks and other SQL takes
+(`pg_advisory_xact_lock(30, 8675309)`); the others are spread over the key space by hashing the
+key and the slot, in the same namespace (two-key form) or as a bigint (hash64). Other SQL takes
+slot 1 of entity 8675309 with `pg_advisory_xact_lock(30, dedupworker.slot_key(8675309, 1))`.
+
+`dedupworker.try_entity_locks(...)`: every entity of a call locked in one statement, or none.
+The keys are sorted and each taken once (two entities of one hash are one lock), so every
+caller tries them in the same order; an entity's slots are tried from 0 up and the first free
+one is taken; on the first entity it cannot take, the block's subtransaction rolls back, which
+releases every transaction-level lock taken inside it (PostgreSQL releases a lock taken after a
+savepoint when the savepoint is rolled back to), and the answer is false. It takes no row lock
+and writes nothing: its subtransaction gets no transaction id.
+"""
+
+LOCK_SHAPES = """
+CREATE FUNCTION dedupworker.slot_key(k int4, s int4) RETURNS int4
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$ SELECT CASE WHEN s = 0 THEN k ELSE hashtext(k::text || '#' || s::text) END $fn$;
+
+CREATE FUNCTION dedupworker.slot_key(k int8, s int4) RETURNS int8
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$ SELECT CASE WHEN s = 0 THEN k ELSE hashtextextended(k::text || '#' || s::text, 0) END $fn$;
+
+-- ns: the handler's lock_namespace; nums: the entities that are int4 keys themselves (NULL
+-- where not); texts: the others, hashed as keys.lock_key hashes them (hashtext, or
+-- hashtextextended(text, ns) when wide, the hash64 key mode); lim: entity_limit; shared:
+-- lock_mode = 'shared'.
+CREATE FUNCTION dedupworker.try_entity_locks(
+    ns int4, nums int4[], texts text[], wide boolean, lim int4, shared boolean
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    keys int8[];
+    k int8;
+    s int4;
+    got boolean;
+BEGIN
+    SELECT array_agg(DISTINCT key ORDER BY key) INTO keys
+    FROM (SELECT CASE WHEN wide THEN hashtextextended(t, ns)
+                      WHEN n IS NOT NULL THEN n::int8
+                      ELSE hashtext(t)::int8 END AS key
+          FROM unnest(nums, texts) AS entity(n, t)) AS keyed;
+    BEGIN
+        FOREACH k IN ARRAY keys LOOP
+            got := false;
+            FOR s IN 0 .. lim - 1 LOOP
+                IF wide AND shared THEN
+                    got := pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s));
+                ELSIF wide THEN
+                    got := pg_try_advisory_xact_lock(dedupworker.slot_key(k, s));
+                ELSIF shared THEN
+                    got := pg_try_advisory_xact_lock_shared(ns, dedupworker.slot_key(k::int4, s));
+                ELSE
+                    got := pg_try_advisory_xact_lock(ns, dedupworker.slot_key(k::int4, s));
+                END IF;
+                EXIT WHEN got;
+            END LOOP;
+            IF NOT got THEN
+                RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN false;  -- what it took went with the block's subtransaction
+    END;
+    RETURN true;
+END
+$fn$;
+"""

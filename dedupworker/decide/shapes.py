@@ -1,0 +1,130 @@
+"""Lock shapes: what one call holds besides "one entity, exclusively" (docs/lock-shapes.md).
+
+A handler's shape comes from three class attributes:
+
+- ``entity_ids(message)`` instead of ``entity_id``: several entities, all locked by the call or
+  none (a transfer holds both accounts);
+- ``entity_limit = N``: up to N calls hold one entity at once, each in one of its N slots;
+- ``lock_mode = "shared"``: shared holders of an entity run together, never beside an exclusive
+  holder of it (readers beside writers).
+
+The default shape (one entity, limit 1, exclusive) keeps the statements of `keys.lock_key`. Any
+other is locked by `dedupworker.try_entity_locks` (migration 10, `db/shapes_sql.py`) in one
+statement: the keys in one order for every caller, each entity in its first free slot, and on
+the first key it cannot take, every key it took released again (its subtransaction rolls
+back): a call never holds part of its entities, and two calls never wait on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from dedupworker.decide.keys import (
+    KeyMode,
+    LockKey,
+    fits_int4,
+    is_int,
+    lock_key,
+    normalize_entity,
+)
+
+LockMode = Literal["exclusive", "shared"]
+LOCK_MODES: tuple[LockMode, ...] = ("exclusive", "shared")
+# Entities one call may lock: each is one lock-table entry (max_locks_per_transaction is 64 by
+# default, shared by every lock of the transaction, the handler's own included).
+MAX_ENTITIES = 32
+# Slots of one entity: a call tries them one by one, so a limit costs a try per slot in use.
+MAX_LIMIT = 64
+
+_TRY_ENTITY_LOCKS = (
+    "SELECT dedupworker.try_entity_locks("
+    "%s::int4, %s::int4[], %s::text[], %s::bool, %s::int4, %s::bool)"
+)
+
+
+class ShapeError(ValueError):
+    """A handler's lock shape that cannot hold, with the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockShape:
+    """How a handler's calls lock their entities."""
+
+    namespace: int
+    mode: KeyMode = "int4"
+    several: bool = False  # the handler names its entities with entity_ids()
+    limit: int = 1  # entity_limit
+    shared: bool = False  # lock_mode == "shared"
+
+    @property
+    def plain(self) -> bool:
+        """One entity, one call at a time, exclusively: the shape of `keys.lock_key`."""
+        return not self.several and self.limit == 1 and not self.shared
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """At most one call holds an entity: the worker's threads may take turns on it."""
+        return self.limit == 1 and not self.shared
+
+    @property
+    def label(self) -> str:
+        """The shape in a metric's label: "one", or "several", "limit=N", "shared" joined."""
+        parts = ["several"] if self.several else []
+        parts += [f"limit={self.limit}"] if self.limit > 1 else []
+        parts += ["shared"] if self.shared else []
+        return ",".join(parts) or "one"
+
+    def key(self, entities: tuple[int | str, ...]) -> LockKey:
+        """The statement that locks every one of `entities` (normalized) in this shape."""
+        if self.plain and len(entities) == 1:
+            return lock_key(self.namespace, entities[0], self.mode)
+        wide = self.mode == "hash64"
+        # tuples, sent as arrays: the key is hashable (the worker's threads take turns by it)
+        numbers = tuple(None if wide else _int4(entity) for entity in entities)
+        texts = tuple(
+            None if n is not None else str(e) for n, e in zip(numbers, entities, strict=True)
+        )
+        params = (self.namespace, numbers, texts, wide, self.limit, self.shared)
+        return LockKey(self.namespace, entities[0], _TRY_ENTITY_LOCKS, params)
+
+
+def _int4(entity: int | str) -> int | None:
+    return entity if isinstance(entity, int) and fits_int4(entity) else None
+
+
+def shape_of(
+    namespace: int, mode: KeyMode, several: bool, limit: object, lock_mode: object
+) -> LockShape:
+    """A handler's shape from its settings; ShapeError names a setting that cannot hold."""
+    if not is_int(limit) or not 1 <= limit <= MAX_LIMIT:  # type: ignore[operator]
+        raise ShapeError(f"entity_limit = {limit!r}; give an int from 1 to {MAX_LIMIT}")
+    if lock_mode not in LOCK_MODES:
+        raise ShapeError(f"lock_mode = {lock_mode!r}; use one of {LOCK_MODES}")
+    shared = lock_mode == "shared"
+    if shared and limit != 1:
+        raise ShapeError(
+            f'lock_mode = "shared" with entity_limit = {limit}: shared holders of an entity '
+            "already run together, without a limit; drop one of the two"
+        )
+    return LockShape(namespace, mode, several, limit, shared)  # type: ignore[arg-type]
+
+
+def entities_of(returned: Iterable[object]) -> tuple[int | str, ...]:
+    """What `entity_ids()` returned, normalized (`7` and `"7"` are one entity), each once, in
+    the order given; ValueError for none, too many, or one that cannot be an entity."""
+    if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
+        raise ValueError(
+            f"entity_ids() returned {type(returned).__name__} {returned!r}; return a list of "
+            "ints or strs"
+        )
+    entities = tuple(dict.fromkeys(normalize_entity(entity) for entity in returned))
+    if not entities:
+        raise ValueError("entity_ids() returned no entity; a call locks at least one")
+    if len(entities) > MAX_ENTITIES:
+        raise ValueError(
+            f"entity_ids() returned {len(entities)} entities; one call locks at most "
+            f"{MAX_ENTITIES} (split the message, or lock a parent entity instead)"
+        )
+    return entities

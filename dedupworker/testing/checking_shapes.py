@@ -1,0 +1,149 @@
+"""The independent checker for lock shapes (docs/lock-shapes.md): handlers that record their calls
+from a side connection, outside the call's transaction, as `checking.CheckedHandler` does, and
+the verdicts read back from those records.
+
+- `TransferCheckedHandler` (`entity_ids`: both accounts of a transfer) records one call row per
+  account, and moves the amount by reading both balances, pausing, and writing them back: two
+  calls that shared an account at once would lose an update, and the balances would not add up.
+- `LimitedCheckedHandler` (`entity_limit = 3`): `max_concurrency` replays each entity's calls.
+- `SharedReaderCheckedHandler` (`lock_mode = "shared"`) and `ExclusiveWriterCheckedHandler` on
+  the same entities: `mode_overlaps` counts readers that ran together (they may) and calls that
+  ran beside a writer (they must not).
+
+Every call row has a start by the worker's clock once its locks are held and an end by the
+server's clock at its last statement in the transaction (see `checking.CheckedHandler`); a call
+killed mid-way has no end and is left out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+
+from dedupworker.message import Message
+from dedupworker.testing.checking import EFFECT, CheckedHandler, create_tables, effect, now
+
+SHAPE_TABLES = """
+ALTER TABLE check_calls ADD COLUMN IF NOT EXISTS mode text NOT NULL DEFAULT 'exclusive';
+CREATE TABLE IF NOT EXISTS check_accounts (
+    account integer PRIMARY KEY,
+    balance bigint NOT NULL
+);
+"""
+
+# The most calls of one entity that ran at once: its starts and ends replayed in time order (an
+# end before a start at the same instant).
+MAX_CONCURRENCY = """
+SELECT entity, max(running) FROM (
+    SELECT entity, sum(step) OVER (PARTITION BY entity ORDER BY at, step
+                                   ROWS UNBOUNDED PRECEDING) AS running
+    FROM (SELECT entity, started_at AS at, 1 AS step FROM check_calls WHERE ended_at IS NOT NULL
+          UNION ALL
+          SELECT entity, ended_at, -1 FROM check_calls WHERE ended_at IS NOT NULL) AS steps
+) AS replay
+GROUP BY entity
+"""
+
+# Pairs of calls of one entity that ran at once, by whether a writer was one of them.
+_MODE_OVERLAPS = """
+SELECT count(*) FILTER (WHERE a.mode = 'shared' AND b.mode = 'shared'),
+       count(*) FILTER (WHERE a.mode = 'exclusive' OR b.mode = 'exclusive')
+FROM check_calls a JOIN check_calls b
+  ON a.entity = b.entity AND a.id < b.id
+ AND a.started_at < b.ended_at AND b.started_at < a.ended_at
+WHERE a.ended_at IS NOT NULL AND b.ended_at IS NOT NULL
+"""
+
+
+def create_shape_tables(conn: psycopg.Connection[Any], accounts: int = 0, balance: int = 0) -> None:
+    """The checker's tables, and `accounts` accounts (0 ..) holding `balance` each."""
+    create_tables(conn)
+    conn.execute(SHAPE_TABLES.encode())
+    conn.execute(
+        "INSERT INTO check_accounts SELECT a, %s FROM generate_series(0, %s - 1) a",
+        (balance, accounts),
+    )
+
+
+def max_concurrency(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    """Per entity, the most of its recorded calls that ran at once."""
+    return {str(row[0]): int(row[1]) for row in conn.execute(MAX_CONCURRENCY)}
+
+
+def mode_overlaps(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(pairs of shared calls of one entity that ran together, pairs with a writer that did)."""
+    row = conn.execute(_MODE_OVERLAPS).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def balances(conn: psycopg.Connection[Any]) -> dict[int, int]:
+    return dict(conn.execute("SELECT account, balance FROM check_accounts").fetchall())
+
+
+class TransferCheckedHandler(CheckedHandler):
+    """Body {"msg", "from", "to", "amount", "work_ms"}: moves `amount` between two accounts."""
+
+    def entity_ids(self, message: Message) -> tuple[int, int]:
+        body = message.json()
+        return int(body["from"]), int(body["to"])
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        accounts = (int(body["from"]), int(body["to"]))
+        calls = self._record(
+            "INSERT INTO check_calls (msg, entity, pid, started_at)"
+            " SELECT %s, a::text, %s, %s FROM unnest(%s::int[]) a RETURNING id",
+            (str(body["msg"]), os.getpid(), now(), list(accounts)),
+            rows=True,
+        )
+        rows = conn.execute(
+            "SELECT account, balance FROM check_accounts WHERE account = ANY(%s)",
+            (list(accounts),),
+        ).fetchall()
+        read = dict(rows)
+        time.sleep(float(body.get("work_ms", 2)) / 1000)  # a lost update needs a gap to land in
+        amount = int(body["amount"])
+        for account, change in ((accounts[0], -amount), (accounts[1], amount)):
+            conn.execute(
+                "UPDATE check_accounts SET balance = %s WHERE account = %s",
+                (read[account] + change, account),
+            )
+        row = conn.execute(
+            EFFECT + " RETURNING clock_timestamp()", effect({**body, "entity": accounts[0]})
+        ).fetchone()
+        if calls and row is not None:
+            self._record("UPDATE check_calls SET ended_at = %s WHERE id = ANY(%s)", (row[0], calls))
+
+
+class LimitedCheckedHandler(CheckedHandler):
+    """`CheckedHandler` with up to 3 calls of one entity at once."""
+
+    entity_limit = 3
+
+
+class _ModeCheckedHandler(CheckedHandler):
+    """`CheckedHandler` whose call rows say its lock mode."""
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        body = message.json()
+        call = self._record(
+            "INSERT INTO check_calls (msg, entity, pid, started_at, mode)"
+            " VALUES (%s, %s, %s, %s, %s) RETURNING id",
+            (str(body["msg"]), str(body["entity"]), os.getpid(), now(), self.lock_mode),
+        )
+        time.sleep(float(body.get("work_ms", 5)) / 1000)
+        row = conn.execute(EFFECT + " RETURNING clock_timestamp()", effect(body)).fetchone()
+        if call is not None and row is not None:
+            self._record("UPDATE check_calls SET ended_at = %s WHERE id = %s", (row[0], call))
+
+
+class SharedReaderCheckedHandler(_ModeCheckedHandler):
+    lock_mode = "shared"
+
+
+class ExclusiveWriterCheckedHandler(_ModeCheckedHandler):
+    lock_mode = "exclusive"

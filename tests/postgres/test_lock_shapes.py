@@ -1,0 +1,264 @@
+"""Lock shapes (docs/lock-shapes.md) on the real PostgreSQL: `dedupworker.try_entity_locks` all or
+nothing, slots, shared holders, and the SQL that cooperates; then worker processes of the
+per-message engine judged from outside the handler: transfers between accounts (several
+entities), at most 3 calls per entity (entity_limit), shared readers beside exclusive writers,
+with workers killed and lock holders terminated meanwhile; and the settings refused."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker import ConfigurationError, enqueue
+from dedupworker.decide.shapes import LockShape
+from dedupworker.testing.checking import check
+from dedupworker.testing.checking_shapes import (
+    balances,
+    create_shape_tables,
+    max_concurrency,
+    mode_overlaps,
+)
+from tests.conftest import clean_env
+from tests.support.shape_handlers import refused
+from tests.support.shapes import (
+    SHAPES,
+    assert_clean,
+    assert_no_deadlock,
+    both,
+    expected_balances,
+    hot_runs,
+    killing_and_terminating,
+    readers_and_writers,
+    transfers,
+)
+from tests.support.worker_processes import WorkerProcesses
+
+pytestmark = pytest.mark.postgres
+
+NS = 44  # CheckedHandler's lock_namespace
+# SHAPE_CHECK_MESSAGES=5000 runs the transfers at the size of docs/lock-shapes.md (by hand).
+MESSAGES = int(os.environ.get("SHAPE_CHECK_MESSAGES", "1000"))
+
+
+def held(conn: psycopg.Connection[Any]) -> set[tuple[int, int, str]]:
+    """This session's advisory locks: (namespace, key, mode) of the two-key form."""
+    rows = conn.execute(
+        "SELECT classid::int8, objid::int8, mode FROM pg_locks"
+        " WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid()"
+    ).fetchall()
+    return {(int(c) - (2**32 if c > 2**31 else 0), int(o), str(m)) for c, o, m in rows}
+
+
+def try_shape(conn: psycopg.Connection[Any], shape: LockShape, *entities: int | str) -> bool:
+    key = shape.key(entities)
+    params = tuple(list(p) if isinstance(p, tuple) else p for p in key.params)
+    row = conn.execute(key.sql, params).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+@contextmanager
+def transactions(dsn: str, count: int) -> Iterator[list[psycopg.Connection[Any]]]:
+    conns = [psycopg.connect(dsn) for _ in range(count)]  # each in a transaction once used
+    try:
+        yield conns
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+# --- the statement ------------------------------------------------------------------------------
+
+
+def test_several_entities_are_all_locked_or_none(conn: psycopg.Connection[Any], dsn: str) -> None:
+    shape = LockShape(NS, several=True)
+    with transactions(dsn, 2) as (a, b):
+        assert try_shape(b, shape, 2)  # b holds account 2
+        assert not try_shape(a, shape, 1, 2)
+        assert held(a) == set(), "a call that could not take 2 kept 1"
+        assert try_shape(a, shape, 3, 1)  # any order: the statement sorts
+        assert {key for _, key, _ in held(a)} == {1, 3}
+        b.rollback()
+        assert try_shape(a, shape, 2, 2, 4)  # one lock per key
+        assert {key for _, key, _ in held(a)} == {1, 2, 3, 4}
+
+
+def test_text_and_hash64_entities_take_the_keys_of_one_entity(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    with transactions(dsn, 2) as (a, b):
+        b.execute("SELECT pg_advisory_xact_lock(%s, hashtext('inv-17'))", (NS,))
+        assert not try_shape(a, LockShape(NS, several=True), "inv-16", "inv-17")
+        b.execute("SELECT pg_advisory_xact_lock(hashtextextended('acct-9', %s))", (NS,))
+        assert not try_shape(a, LockShape(NS, "hash64", several=True), "acct-8", "acct-9")
+        assert try_shape(a, LockShape(NS, "hash64", several=True), "acct-8", "acct-10")
+
+
+def test_an_entity_limit_gives_each_call_a_slot_of_its_own(dsn: str) -> None:
+    shape = LockShape(NS, limit=3)
+    with transactions(dsn, 4) as conns:
+        assert [try_shape(c, shape, 7) for c in conns] == [True, True, True, False]
+        # slot 0 is the entity's one key: what a handler of the default shape and other SQL take
+        assert (NS, 7, "ExclusiveLock") in held(conns[0])
+        conns[1].rollback()
+        assert try_shape(conns[3], shape, 7)
+        with transactions(dsn, 1) as (other,):
+            slots = other.execute(
+                "SELECT bool_or(pg_try_advisory_xact_lock(%s, dedupworker.slot_key(7, s)))"
+                " FROM generate_series(0, 2) s",
+                (NS,),
+            ).fetchone()
+            assert slots == (False,)  # every slot held: other SQL waits for all of them
+
+
+def test_other_sql_holding_an_entity_exclusively_holds_off_every_slot(dsn: str) -> None:
+    with transactions(dsn, 2) as (sql, call):
+        sql.execute(
+            "SELECT pg_advisory_xact_lock(%s, dedupworker.slot_key(7, s))"
+            " FROM generate_series(0, 2) s",
+            (NS,),
+        )
+        assert not try_shape(call, LockShape(NS, limit=3), 7)
+        assert held(call) == set()
+
+
+def test_shared_holders_run_together_and_never_beside_an_exclusive_one(dsn: str) -> None:
+    shared, exclusive = LockShape(NS, shared=True), LockShape(NS)
+    with transactions(dsn, 3) as (r1, r2, w):
+        assert try_shape(r1, shared, 5) and try_shape(r2, shared, 5)
+        assert not try_shape(w, exclusive, 5)
+        r1.rollback()
+        r2.rollback()
+        assert try_shape(w, exclusive, 5)
+        assert not try_shape(r1, shared, 5)
+        assert not try_shape(r1, LockShape(NS, several=True, shared=True), 4, 5)
+        assert held(r1) == set()
+
+
+def test_the_checkers_see_a_limit_passed_and_a_call_beside_a_writer(
+    conn: psycopg.Connection[Any],
+) -> None:
+    create_shape_tables(conn)
+    conn.execute(
+        "INSERT INTO check_calls (msg, entity, pid, started_at, ended_at, mode)"
+        " SELECT msg, '1', 1, t + make_interval(secs => s), t + make_interval(secs => e), mode"
+        " FROM (VALUES ('a', 0, 10, 'exclusive'), ('b', 1, 5, 'exclusive'),"
+        "              ('c', 2, 3, 'shared'), ('d', 2.5, 4, 'shared'),"
+        "              ('e', 10, 11, 'exclusive')) AS c(msg, s, e, mode),"
+        " (SELECT now() AS t) AS base"
+    )
+    assert max_concurrency(conn) == {"1": 4}  # a, b, c and d at 2.5 s; e starts as a ends
+    assert mode_overlaps(conn) == (1, 5)  # c with d; a with b, c, d; b with c, d
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"entity_limit": 0}, "entity_limit = 0; give an int from 1 to 64"),
+        ({"entity_limit": "3"}, "entity_limit = '3'"),
+        ({"lock_mode": "read"}, "lock_mode = 'read'; use one of ('exclusive', 'shared')"),
+        ({"lock_mode": "shared", "entity_limit": 2}, "shared holders of an entity already run"),
+        ({"entity_limit": 2, "ordered": True}, "ordered = True keeps one entity's line"),
+        ({"entity_limit": 2, "lock_scope": "session"}, "not yet on the session-lock engine"),
+        ({"entity_limit": 2, "batch": True}, "not yet on the batch engine"),
+    ],
+)
+def test_a_shape_that_cannot_hold_is_refused_by_name(settings: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        refused(**settings)
+    assert words in str(caught.value), caught.value
+
+
+def test_entity_ids_bad_returns_dead_letter_the_message_naming_the_problem(
+    conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    create_shape_tables(conn, accounts=2, balance=0)
+    enqueue(conn, "q", [{"msg": "broken"}, {"msg": "many", "many": 40}, {"msg": "no", "many": 0}])
+    enqueue(conn, "q", [{"msg": "ok", "from": 0, "to": 1, "amount": 1}])
+    run = workers(conn.info.dsn, tmp_path, "tests.support.shape_handlers:CheckedTransfers")
+    run.drain(1, lambda stop: None)
+    dead = dict(
+        conn.execute(
+            "SELECT convert_from(body, 'UTF8')::jsonb ->> 'msg', last_error FROM dedupworker.jobs"
+            " WHERE status = 'dead'"
+        ).fetchall()
+    )
+    assert set(dead) == {"broken", "many", "no"}, dead
+    assert "entity_ids() failed, the message is malformed: KeyError" in dead["broken"], dead
+    assert "returned 40 entities; one call locks at most 32" in dead["many"], dead
+    assert "returned no entity" in dead["no"], dead
+    assert balances(conn) == {0: -1, 1: 1}
+
+
+# --- worker processes ---------------------------------------------------------------------------
+
+
+def workers(dsn: str, logs: Path, handler: str, queue: str = "q", *options: str) -> WorkerProcesses:
+    env = {**clean_env(), "DEDUPWORKER_DSN": dsn, "DEDUPWORKER_CHECK_DSN": dsn}
+    args = [handler, "--queue", queue, "--concurrency", "4", *options]
+    args += ["--drain", "--poll-interval", "0.2", "--connect-timeout", "60"]
+    return WorkerProcesses(env, logs, args, drain_limit=300)
+
+
+def test_transfers_between_twenty_accounts_hold_both_and_every_balance_adds_up(
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+) -> None:
+    create_shape_tables(conn, accounts=20, balance=10_000)
+    bodies = transfers(MESSAGES, 20)
+    # half with an entity given at enqueue: a shaped handler's claim must not lock it alone
+    enqueue(conn, "q", bodies[::2], entity=lambda m: m.json()["from"])
+    enqueue(conn, "q", bodies[1::2])
+    run = workers(dsn, tmp_path, f"{SHAPES}:TransferCheckedHandler")
+    run.drain(4, lambda stop: None)
+    report = check(conn, [b["msg"] for b in bodies])
+    print(report.as_dict())
+    assert_clean(report)
+    assert balances(conn) == expected_balances(bodies, 20, 10_000)
+    assert_no_deadlock(run)
+
+
+@pytest.mark.parametrize("fault", ["none", "kills"])
+def test_at_most_the_entity_limit_of_calls_hold_an_entity(
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, fault: str
+) -> None:
+    create_shape_tables(conn)
+    bodies = hot_runs(MESSAGES)
+    enqueue(conn, "q", bodies)
+    run = workers(dsn, tmp_path, f"{SHAPES}:LimitedCheckedHandler")
+    run.drain(4, killing_and_terminating(dsn, run) if fault == "kills" else lambda stop: None)
+    report = check(conn, [b["msg"] for b in bodies])
+    print(report.as_dict(), run.killed)
+    assert (report.lost, report.unexpected_dead) == (0, 0), report
+    most = max_concurrency(conn)
+    assert max(most.values()) == 3, most  # reached, never passed
+    if fault == "kills":
+        assert run.killed
+
+
+def test_shared_readers_run_together_and_never_beside_a_writer(
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+) -> None:
+    create_shape_tables(conn)
+    readers, writers = readers_and_writers(MESSAGES)
+    enqueue(conn, "reads", readers)
+    enqueue(conn, "writes", writers, entity=lambda m: m.json()["entity"])
+    (tmp_path / "r").mkdir()
+    (tmp_path / "w").mkdir()
+    reading = workers(dsn, tmp_path / "r", f"{SHAPES}:SharedReaderCheckedHandler", "reads")
+    writing = workers(dsn, tmp_path / "w", f"{SHAPES}:ExclusiveWriterCheckedHandler", "writes")
+    both(lambda: reading.drain(2, lambda stop: None), lambda: writing.drain(2, lambda stop: None))
+    report = check(conn, [b["msg"] for b in readers + writers])
+    print(report.as_dict())
+    assert (report.lost, report.unexpected_dead) == (0, 0), report
+    together, beside_a_writer = mode_overlaps(conn)
+    assert beside_a_writer == 0
+    assert together > 0, "no two readers of one entity ever ran together"
