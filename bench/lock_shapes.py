@@ -2,14 +2,17 @@
 (per-message engine, no-op handler, `--concurrency 4`, one process), rounds alternating which
 shape goes first.
 
-Scenarios, each on 20,000 jobs of distinct entities enqueued plainly (the default path), and
-compared with `one entity` of the same round:
+Scenarios, each on 20,000 jobs `{"entity": n, "other": n + 1000000}` enqueued plainly (the
+default path; the worker learns the entities' fields, docs/postgres-queue.md), and compared
+with `one entity` of the same round:
 - one entity: `bench.noop:Noop` (the default shape: its lock statement, learnt entity hints);
-- two entities: `bench.noop:NoopTwo` (entity_ids: the entity and another);
+- two entities: `bench.noop:NoopTwo` (entity_ids: "entity" and "other");
 - entity_limit 3: `bench.noop:NoopLimited`;
 - shared: `bench.noop:NoopShared`;
-and `one entity, given`: Noop on jobs enqueued with their entity (the tuned path, whose claim
-locks the entity), for reference.
+and, given at enqueue (the tuned path: the claim locks the entities), `one entity, given` (Noop)
+and `two entities, given` (NoopTwo, both entities stored with each job). The same four for the
+batch engine (`bench.noop:NoopBatch`, `NoopBatchTwo`; batches of 100), compared with `batch, one
+entity`.
 
 Throughput is jobs per second from the first job's commit to the last one's, seen from outside
 (bench.draining.Watcher); CPU is the worker's client CPU per job (start-up included) and the
@@ -24,6 +27,7 @@ import argparse
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -34,25 +38,41 @@ from dedupworker import Message, enqueue
 from dedupworker.db.schema import migrate
 from dedupworker.dev.embedded import private_postgres
 
-SCENARIOS = {
-    "one entity": ("bench.noop:Noop", False),
-    "two entities": ("bench.noop:NoopTwo", False),
-    "entity_limit 3": ("bench.noop:NoopLimited", False),
-    "shared": ("bench.noop:NoopShared", False),
-    "one entity, given": ("bench.noop:Noop", True),
-}
-
 
 def entity_of(message: Message) -> object:
     return message.json()["entity"]
+
+
+def entities_of(message: Message) -> object:
+    body = message.json()
+    return [body["entity"], body["other"]]
+
+
+Given = Callable[[Message], object] | None
+SCENARIOS: dict[str, tuple[str, Given]] = {
+    "one entity": ("bench.noop:Noop", None),
+    "two entities": ("bench.noop:NoopTwo", None),
+    "entity_limit 3": ("bench.noop:NoopLimited", None),
+    "shared": ("bench.noop:NoopShared", None),
+    "one entity, given": ("bench.noop:Noop", entity_of),
+    "two entities, given": ("bench.noop:NoopTwo", entities_of),
+    "batch, one entity": ("bench.noop:NoopBatch", None),
+    "batch, two entities": ("bench.noop:NoopBatchTwo", None),
+    "batch, one entity, given": ("bench.noop:NoopBatch", entity_of),
+    "batch, two entities, given": ("bench.noop:NoopBatchTwo", entities_of),
+}
+# What each scenario is compared with, in the same round.
+BASE = {
+    name: "batch, one entity" if name.startswith("batch") else "one entity" for name in SCENARIOS
+}
 
 
 def run(
     conn: psycopg.Connection[Any], dsn: str, args: argparse.Namespace, name: str, pid: int | None
 ) -> tuple[float, float, float]:
     handler, given = SCENARIOS[name]
-    bodies = [{"entity": n} for n in range(args.messages)]
-    ids = enqueue(conn, "shapes", bodies, entity=entity_of if given else None)
+    bodies = [{"entity": n, "other": n + 1_000_000} for n in range(args.messages)]
+    ids = enqueue(conn, "shapes", bodies, entity=given)
     conn.execute("VACUUM ANALYZE dedupworker.jobs")
     workers = Workers(handler=handler)
     measure = measured(
@@ -86,13 +106,13 @@ def main() -> int:
         server.stop()
     print()
     print(
-        "| shape | msg/s median (min-max) | / one entity, per round | median "
+        "| shape | msg/s median (min-max) | / one entity (same engine), per round | median "
         "| client CPU µs/msg | server CPU µs/msg |"
     )
     print("|---|---:|---|---:|---:|---:|")
-    base = [figure[0] for figure in figures["one entity"]]
     for name, rows in figures.items():
         rates = [row[0] for row in rows]
+        base = [figure[0] for figure in figures[BASE[name]]]
         ratios = [rate / one for rate, one in zip(rates, base, strict=True)]
         print(
             f"| {name} | {statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f}) "

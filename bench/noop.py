@@ -46,12 +46,12 @@ class OrderedNoopBatch(NoopBatch):
 
 
 class NoopTwo(Noop):
-    """Noop holding two entities per message (docs/lock-shapes.md): the body's entity and the
-    one a million above it."""
+    """Noop holding two entities per message (docs/lock-shapes.md): the body's "entity" and
+    "other" (a transfer's two accounts, say)."""
 
     def entity_ids(self, message: Message) -> tuple[int, int]:
-        entity: int = message.json()["entity"]
-        return entity, entity + 1_000_000
+        body = message.json()
+        return body["entity"], body["other"]
 
 
 class NoopLimited(Noop):
@@ -64,3 +64,11 @@ class NoopShared(Noop):
     """Noop holding its entity shared."""
 
     lock_mode = "shared"
+
+
+class NoopBatchTwo(NoopBatch):
+    """NoopBatch holding two entities per message: the body's "entity" and "other"."""
+
+    def entity_ids(self, message: Message) -> tuple[int, int]:
+        body = message.json()
+        return body["entity"], body["other"]

@@ -287,17 +287,11 @@ def _check_shape(handler: Handler) -> None:
             "it takes one entity, one call at a time, exclusively (drop entity_ids, entity_limit "
             "or lock_mode, docs/order.md)"
         )
-    engine = (
-        "the batch engine (BatchHandler)"
-        if issubclass(cls, BatchHandler)
-        else 'the session-lock engine (lock_scope = "session")'
-        if cls.lock_scope == "session"
-        else None
-    )
-    if engine is not None:
+    if cls.lock_scope == "session":
         raise ConfigurationError(
-            f"{cls.__name__}: entity_ids, entity_limit and lock_mode run on the per-message "
-            f'engine (a Handler with lock_scope = "transaction"), not yet on {engine}'
+            f"{cls.__name__}: entity_ids, entity_limit and lock_mode run on the per-message and "
+            'batch engines (lock_scope = "transaction"), not yet on the session-lock engine '
+            '(lock_scope = "session")'
         )
 
 

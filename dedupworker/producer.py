@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 from dedupworker.config import check_queue_name
 from dedupworker.db import sql
 from dedupworker.decide.keys import InvalidEntity, normalize_entity
+from dedupworker.decide.shapes import entities_of
 from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 
@@ -47,7 +48,9 @@ def enqueue(
     `entity`, usually the handler's own `entity_id` (``entity=InvoiceHandler().entity_id``),
     is called on each message now and its result stored with the job: a worker then tries the
     entity lock in the statement that claims the job, one round trip less per message. The
-    worker still computes the entity itself and only trusts a stored one that is equal. A
+    worker still computes the entity itself and only trusts a stored one that is equal. For a
+    handler of several entities give its `entity_ids` (a list or tuple is stored whole, and
+    the claim locks every one of them in the handler's shape; docs/lock-shapes.md). A
     message for which `entity` returns None is stored without one; an entity that cannot be a
     lock key (or an `entity` that raises) raises InvalidEntity here and enqueues nothing.
     """
@@ -78,10 +81,14 @@ def _entity_of(
     message = Message(id="", body=body, headers=headers, transport="postgres")
     try:
         value = entity(message)
-        return None if value is None else Jsonb(normalize_entity(value))
+        if value is None:
+            return None
+        if isinstance(value, list | tuple):  # a handler's entity_ids (docs/lock-shapes.md)
+            return Jsonb(list(entities_of(value)))
+        return Jsonb(normalize_entity(value))
     except InvalidEntity:
         raise
-    except Exception as exc:
+    except Exception as exc:  # entities_of's ValueError too
         raise InvalidEntity(
             f"entity() failed on the body {body[:80]!r}: {type(exc).__name__}: {exc}"
         ) from exc

@@ -13,6 +13,10 @@ one is taken; on the first entity it cannot take, the block's subtransaction rol
 releases every transaction-level lock taken inside it (PostgreSQL releases a lock taken after a
 savepoint when the savepoint is rolled back to), and the answer is false. It takes no row lock
 and writes nothing: its subtransaction gets no transaction id.
+
+`dedupworker.try_json_entity_locks(...)`: the same for entities as a claim finds them with a
+job (a JSON array stored at enqueue, or hinted), so that a handler of another shape has its
+entities locked by its claim, in the claim's round trip.
 """
 
 LOCK_SHAPES = """
@@ -67,5 +71,29 @@ BEGIN
     END;
     RETURN true;
 END
+$fn$;
+
+-- The same for the entities a claim finds with the job (sql.CLAIM_LOCKING["shaped"]): stored at
+-- enqueue or hinted, a JSON array of them (or one), each read as keys.normalize_entity does (a
+-- number or the canonical decimal string of an int4 is that int4 key; in hash64 mode every
+-- entity is its text). NULL for none.
+CREATE FUNCTION dedupworker.try_json_entity_locks(
+    ns int4, entities jsonb, wide boolean, lim int4, shared boolean
+) RETURNS boolean
+LANGUAGE sql VOLATILE AS $fn$
+SELECT CASE WHEN count(*) > 0
+            THEN dedupworker.try_entity_locks(ns, array_agg(num), array_agg(
+                     CASE WHEN num IS NULL THEN txt END), wide, lim, shared) END
+FROM (SELECT CASE WHEN wide THEN NULL
+                  WHEN jsonb_typeof(e) = 'number' AND e::numeric BETWEEN -2147483648 AND 2147483647
+                       AND e::numeric = trunc(e::numeric)
+                      THEN (e::numeric)::int4
+                  WHEN jsonb_typeof(e) = 'string' AND e #>> '{}' ~ '^(0|-?[1-9][0-9]{0,9})$'
+                       AND (e #>> '{}')::numeric BETWEEN -2147483648 AND 2147483647
+                      THEN (e #>> '{}')::int4
+             END AS num,
+             e #>> '{}' AS txt
+      FROM jsonb_array_elements(CASE jsonb_typeof(entities) WHEN 'array' THEN entities
+                                     ELSE jsonb_build_array(entities) END) AS e) AS found
 $fn$;
 """

@@ -121,20 +121,35 @@ _LOCKS = {
            WHEN entity IS NULL THEN NULL
            ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
        END""",
-    # A handler of another lock shape (dedupworker.decide.shapes) locks its entities itself:
-    # its claims try no entity's lock, whatever its jobs were enqueued with.
-    "shaped": "NULL::boolean",
+    # A handler of another lock shape (dedupworker.decide.shapes): every entity stored with the
+    # job (a JSON array, or one) or hinted (_HINTS), in the handler's shape: its namespace,
+    # whether its key mode is hash64, its entity_limit, whether shared (db/shapes_sql.py).
+    "shaped": """CASE
+           WHEN entity IS NULL THEN NULL
+           ELSE dedupworker.try_json_entity_locks(%s::int4, entity, %s::bool, %s::int4, %s::bool)
+       END""",
 }
-# How a claim tries the entity given at enqueue: a key mode, or "shaped" (not at all).
+# How a claim tries the entity given at enqueue: a key mode, or "shaped".
 ClaimLock = Literal["int4", "hash64", "shaped"]
-# The handler's lock_namespace, once per use of it in _LOCKS[mode].
-LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1, "shaped": 0}
+# The handler's lock_namespace, once per use of it in _LOCKS[mode] (not "shaped"'s).
+LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
+
+# A shaped handler's hint: every value the pattern captures (one field's, or any of several
+# fields': transports/postgres/hints.py), as a JSON array; NULL when it finds none.
+_HINTS = """(
+        SELECT jsonb_agg(CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
+                              ELSE to_jsonb(v::numeric) END)
+        FROM (SELECT (regexp_matches(encode(substr(body, 1, 8192), 'escape'), pattern, 'g'))[1]
+                     AS v
+              FROM (SELECT %s::text AS pattern) AS asked
+              WHERE pattern IS NOT NULL) AS found)"""
+_HINT_OF = {"int4": _HINT, "hash64": _HINT, "shaped": _HINTS}
 CLAIM_LOCKING = {
-    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT, late=LATE)
+    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode], late=LATE)
     for mode, lock in _LOCKS.items()
 }
 CLAIM_SKIPPING = {
-    mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT)
+    mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode])
     for mode, lock in _LOCKS.items()
 }
 
@@ -335,6 +350,13 @@ WHERE NOT CASE WHEN txt IS NULL THEN pg_try_advisory_xact_lock(%s::int4, num)
     "hash64": """
 SELECT i FROM unnest(%s::text[]) WITH ORDINALITY AS t(txt, i)
 WHERE NOT pg_try_advisory_xact_lock(hashtextextended(txt, %s::int4))
+""",
+    # A handler of another lock shape: each group's entities (a JSON array) all or none, in
+    # the handler's shape (db/shapes_sql.py); a key this transaction holds already is taken
+    # again (a later group of one of its entities).
+    "shaped": """
+SELECT i FROM unnest(%s::jsonb[]) WITH ORDINALITY AS t(entities, i)
+WHERE NOT dedupworker.try_json_entity_locks(%s::int4, entities, %s::bool, %s::int4, %s::bool)
 """,
 }
 # The ledger look-up of a whole batch, after its locks, and its record, before its COMMIT.

@@ -23,8 +23,16 @@ from typing import Any
 
 import psycopg
 
+from dedupworker.handler import BatchHandler
 from dedupworker.message import Message
-from dedupworker.testing.checking import EFFECT, CheckedHandler, create_tables, effect, now
+from dedupworker.testing.checking import (
+    EFFECT,
+    BatchCheckedHandler,
+    CheckedHandler,
+    create_tables,
+    effect,
+    now,
+)
 
 SHAPE_TABLES = """
 ALTER TABLE check_calls ADD COLUMN IF NOT EXISTS mode text NOT NULL DEFAULT 'exclusive';
@@ -34,27 +42,35 @@ CREATE TABLE IF NOT EXISTS check_accounts (
 );
 """
 
+# The calls with an end, the messages of one batch's call of one entity as one (the batch engine
+# records a row per message, with the batch's start: they hold its locks together).
+_WINDOWS = """(
+    SELECT entity, min(id) AS id, max(ended_at) AS ended_at, started_at, min(mode) AS mode
+    FROM check_calls WHERE ended_at IS NOT NULL
+    GROUP BY entity, pid, started_at
+) AS windows"""
+
 # The most calls of one entity that ran at once: its starts and ends replayed in time order (an
 # end before a start at the same instant).
-MAX_CONCURRENCY = """
+MAX_CONCURRENCY = f"""
 SELECT entity, max(running) FROM (
     SELECT entity, sum(step) OVER (PARTITION BY entity ORDER BY at, step
                                    ROWS UNBOUNDED PRECEDING) AS running
-    FROM (SELECT entity, started_at AS at, 1 AS step FROM check_calls WHERE ended_at IS NOT NULL
+    FROM (SELECT entity, started_at AS at, 1 AS step FROM {_WINDOWS}
           UNION ALL
-          SELECT entity, ended_at, -1 FROM check_calls WHERE ended_at IS NOT NULL) AS steps
+          SELECT entity, ended_at, -1 FROM {_WINDOWS}) AS steps
 ) AS replay
 GROUP BY entity
 """
 
 # Pairs of calls of one entity that ran at once, by whether a writer was one of them.
-_MODE_OVERLAPS = """
+_MODE_OVERLAPS = f"""
+WITH w AS (SELECT * FROM {_WINDOWS})
 SELECT count(*) FILTER (WHERE a.mode = 'shared' AND b.mode = 'shared'),
        count(*) FILTER (WHERE a.mode = 'exclusive' OR b.mode = 'exclusive')
-FROM check_calls a JOIN check_calls b
+FROM w a JOIN w b
   ON a.entity = b.entity AND a.id < b.id
  AND a.started_at < b.ended_at AND b.started_at < a.ended_at
-WHERE a.ended_at IS NOT NULL AND b.ended_at IS NOT NULL
 """
 
 
@@ -119,6 +135,54 @@ class TransferCheckedHandler(CheckedHandler):
             self._record("UPDATE check_calls SET ended_at = %s WHERE id = ANY(%s)", (row[0], calls))
 
 
+class BatchTransferCheckedHandler(BatchHandler, TransferCheckedHandler):
+    """`TransferCheckedHandler` for the batch engine: a batch's transfers applied in turn to the
+    balances it read, written back after a pause; a row per message and account. Small
+    batches: a batch holds every account of its transfers."""
+
+    batch_size = 5
+
+    def dedup_key(self, message: Message) -> str | None:
+        return str(message.json()["msg"])
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        bodies = [message.json() for message in messages]
+        pairs = [(int(b["from"]), int(b["to"])) for b in bodies]
+        calls = self._record(
+            "INSERT INTO check_calls (msg, entity, pid, started_at)"
+            " SELECT unnest(%s::text[]), unnest(%s::text[]), %s, %s RETURNING id",
+            (
+                [str(b["msg"]) for b in bodies for _ in range(2)],
+                [str(account) for pair in pairs for account in pair],
+                os.getpid(),
+                now(),
+            ),
+            rows=True,
+        )
+        accounts = sorted({account for pair in pairs for account in pair})
+        rows = conn.execute(
+            "SELECT account, balance FROM check_accounts WHERE account = ANY(%s)", (accounts,)
+        ).fetchall()
+        balance = dict(rows)
+        time.sleep(sum(float(b.get("work_ms", 2)) for b in bodies) / 1000)
+        for body, (source, target) in zip(bodies, pairs, strict=True):
+            balance[source] -= int(body["amount"])
+            balance[target] += int(body["amount"])
+        conn.execute(
+            "UPDATE check_accounts a SET balance = b.balance"
+            " FROM unnest(%s::int[], %s::int8[]) AS b(account, balance)"
+            " WHERE a.account = b.account",
+            (list(balance), list(balance.values())),
+        )
+        row = conn.execute(
+            "INSERT INTO check_effects (msg, pid, entity)"
+            " SELECT unnest(%s::text[]), %s, unnest(%s::text[]) RETURNING clock_timestamp()",
+            ([str(b["msg"]) for b in bodies], os.getpid(), [str(p[0]) for p in pairs]),
+        ).fetchone()
+        if calls and row is not None:
+            self._record("UPDATE check_calls SET ended_at = %s WHERE id = ANY(%s)", (row[0], calls))
+
+
 class LimitedCheckedHandler(CheckedHandler):
     """`CheckedHandler` with up to 3 calls of one entity at once."""
 
@@ -146,4 +210,30 @@ class SharedReaderCheckedHandler(_ModeCheckedHandler):
 
 
 class ExclusiveWriterCheckedHandler(_ModeCheckedHandler):
+    lock_mode = "exclusive"
+
+
+class BatchLimitedCheckedHandler(BatchCheckedHandler):
+    """`BatchCheckedHandler` with up to 3 calls of one entity at once (a batch's messages of
+    one entity are one call)."""
+
+    entity_limit = 3
+
+
+class _BatchModeCheckedHandler(BatchCheckedHandler):
+    """`BatchCheckedHandler` whose call rows say its lock mode (set once the batch ended)."""
+
+    def handle_batch(self, messages: list[Message], conn: psycopg.Connection[Any]) -> None:
+        super().handle_batch(messages, conn)
+        self._record(
+            "UPDATE check_calls SET mode = %s WHERE pid = %s AND msg = ANY(%s)",
+            (self.lock_mode, os.getpid(), [str(m.json()["msg"]) for m in messages]),
+        )
+
+
+class BatchSharedReaderCheckedHandler(_BatchModeCheckedHandler):
+    lock_mode = "shared"
+
+
+class BatchExclusiveWriterCheckedHandler(_BatchModeCheckedHandler):
     lock_mode = "exclusive"

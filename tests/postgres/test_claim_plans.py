@@ -82,7 +82,7 @@ CLAIMS: dict[str, Claim] = {
     ),
     "CLAIM_LOCKING int4, from a cursor, with an entity hint": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, pattern_for("entity")),
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, pattern_for(("entity",))),
         (),
         10,
     ),
@@ -100,7 +100,19 @@ CLAIMS: dict[str, Claim] = {
     ),
     "CLAIM_SKIPPING int4, with an entity hint": (
         sql.CLAIM_SKIPPING["int4"],
-        lambda ids: (QUEUE, QUEUE, NS, NS, NS, pattern_for("entity"), pattern_for("entity")),
+        lambda ids: (QUEUE, QUEUE, NS, NS, NS, pattern_for(("entity",)), pattern_for(("entity",))),
+        (),
+        3 * sql.CLAIM_WINDOW,
+    ),
+    "CLAIM_LOCKING shaped (a handler of several entities), with entity hints": (
+        sql.CLAIM_LOCKING["shaped"],
+        lambda ids: (QUEUE, ids.cursor, NS, False, 1, False, pattern_for(("entity", "other"))),
+        (),
+        10,
+    ),
+    "CLAIM_SKIPPING shaped (entity_limit 3), with an entity hint": (
+        sql.CLAIM_SKIPPING["shaped"],
+        lambda ids: (QUEUE, QUEUE, NS, False, 3, False, *[pattern_for(("entity",))] * 2),
         (),
         3 * sql.CLAIM_WINDOW,
     ),

@@ -27,7 +27,8 @@ from dedupworker.testing.checking_shapes import (
 from tests.conftest import clean_env
 from tests.support.shape_handlers import refused
 from tests.support.shapes import (
-    SHAPES,
+    ENGINES,
+    HANDLERS,
     assert_clean,
     assert_no_deadlock,
     both,
@@ -169,7 +170,6 @@ def test_the_checkers_see_a_limit_passed_and_a_call_beside_a_writer(
         ({"lock_mode": "shared", "entity_limit": 2}, "shared holders of an entity already run"),
         ({"entity_limit": 2, "ordered": True}, "ordered = True keeps one entity's line"),
         ({"entity_limit": 2, "lock_scope": "session"}, "not yet on the session-lock engine"),
-        ({"entity_limit": 2, "batch": True}, "not yet on the batch engine"),
     ],
 )
 def test_a_shape_that_cannot_hold_is_refused_by_name(settings: dict[str, Any], words: str) -> None:
@@ -209,31 +209,43 @@ def workers(dsn: str, logs: Path, handler: str, queue: str = "q", *options: str)
     return WorkerProcesses(env, logs, args, drain_limit=300)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_transfers_between_twenty_accounts_hold_both_and_every_balance_adds_up(
-    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, engine: str
 ) -> None:
     create_shape_tables(conn, accounts=20, balance=10_000)
+    conn.execute(f"ALTER DATABASE {conn.info.dbname} SET track_functions = 'all'")
     bodies = transfers(MESSAGES, 20)
-    # half with an entity given at enqueue: a shaped handler's claim must not lock it alone
-    enqueue(conn, "q", bodies[::2], entity=lambda m: m.json()["from"])
-    enqueue(conn, "q", bodies[1::2])
-    run = workers(dsn, tmp_path, f"{SHAPES}:TransferCheckedHandler")
+    # A third with both accounts given at enqueue (the claim locks them), a third with one
+    # only (not the handler's entities: not trusted), a third plainly (the per-message
+    # engine's claims learn the hint of both fields).
+    enqueue(conn, "q", bodies[::3], entity=lambda m: [m.json()["from"], m.json()["to"]])
+    enqueue(conn, "q", bodies[1::3], entity=lambda m: m.json()["from"])
+    enqueue(conn, "q", bodies[2::3])
+    run = workers(dsn, tmp_path, HANDLERS[engine]["transfer"])
     run.drain(4, lambda stop: None)
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict())
     assert_clean(report)
     assert balances(conn) == expected_balances(bodies, 20, 10_000)
     assert_no_deadlock(run)
+    conn.commit()  # a fresh snapshot of the statistics the workers left at their exit
+    claims = conn.execute(
+        "SELECT calls FROM pg_stat_user_functions WHERE funcname = 'try_json_entity_locks'"
+    ).fetchone()
+    # the claims locked the given entities (and the hinted ones), and the batch lock's groups
+    assert claims is not None and claims[0] >= len(bodies) // 3, claims
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fault", ["none", "kills"])
 def test_at_most_the_entity_limit_of_calls_hold_an_entity(
-    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, fault: str
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, fault: str, engine: str
 ) -> None:
     create_shape_tables(conn)
-    bodies = hot_runs(MESSAGES)
+    bodies = hot_runs(MESSAGES, engine)
     enqueue(conn, "q", bodies)
-    run = workers(dsn, tmp_path, f"{SHAPES}:LimitedCheckedHandler")
+    run = workers(dsn, tmp_path, HANDLERS[engine]["limited"])
     run.drain(4, killing_and_terminating(dsn, run) if fault == "kills" else lambda stop: None)
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict(), run.killed)
@@ -244,8 +256,9 @@ def test_at_most_the_entity_limit_of_calls_hold_an_entity(
         assert run.killed
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_shared_readers_run_together_and_never_beside_a_writer(
-    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path
+    conn: psycopg.Connection[Any], dsn: str, tmp_path: Path, engine: str
 ) -> None:
     create_shape_tables(conn)
     readers, writers = readers_and_writers(MESSAGES)
@@ -253,8 +266,8 @@ def test_shared_readers_run_together_and_never_beside_a_writer(
     enqueue(conn, "writes", writers, entity=lambda m: m.json()["entity"])
     (tmp_path / "r").mkdir()
     (tmp_path / "w").mkdir()
-    reading = workers(dsn, tmp_path / "r", f"{SHAPES}:SharedReaderCheckedHandler", "reads")
-    writing = workers(dsn, tmp_path / "w", f"{SHAPES}:ExclusiveWriterCheckedHandler", "writes")
+    reading = workers(dsn, tmp_path / "r", HANDLERS[engine]["reader"], "reads")
+    writing = workers(dsn, tmp_path / "w", HANDLERS[engine]["writer"], "writes")
     both(lambda: reading.drain(2, lambda stop: None), lambda: writing.drain(2, lambda stop: None))
     report = check(conn, [b["msg"] for b in readers + writers])
     print(report.as_dict())

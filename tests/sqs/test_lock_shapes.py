@@ -1,8 +1,8 @@
-"""Lock shapes (docs/lock-shapes.md) on SQS, per-message engine, judged from outside the handler
-as on the postgres queue (tests/postgres/test_lock_shapes.py): transfers between 20 accounts
-(several entities per message), at most 3 calls per entity (entity_limit) while workers are
-killed and lock holders terminated, shared readers beside exclusive writers. The locks are the
-database's whatever the transport: the same statement takes them."""
+"""Lock shapes (docs/lock-shapes.md) on SQS, per-message and batch engines, judged from outside
+the handler as on the postgres queue (tests/postgres/test_lock_shapes.py): transfers between 20
+accounts (several entities per message), at most 3 calls per entity (entity_limit) while
+workers are killed and lock holders terminated, shared readers beside exclusive writers. The
+locks are the database's whatever the transport: the same statements take them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from dedupworker.testing.checking_shapes import (
 )
 from tests.conftest import clean_env
 from tests.support.shapes import (
-    SHAPES,
+    ENGINES,
+    HANDLERS,
     assert_clean,
     assert_no_deadlock,
     both,
@@ -38,7 +39,7 @@ from tests.support.worker_processes import WorkerProcesses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
-MESSAGES = int(os.environ.get("SHAPE_CHECK_MESSAGES", "400"))
+MESSAGES = int(os.environ.get("SHAPE_CHECK_MESSAGES", "300"))
 
 
 def send_all(aws: SqsServer, url: str, bodies: list[dict[str, Any]]) -> None:
@@ -59,14 +60,15 @@ def workers(aws: SqsServer, url: str, dsn: str, logs: Path, handler: str) -> Wor
     return WorkerProcesses(env, logs, args, drain_limit=300)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_transfers_hold_both_accounts_and_every_balance_adds_up(
-    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:
     create_shape_tables(conn, accounts=20, balance=10_000)
     bodies = transfers(MESSAGES, 20)
     queues = aws.queues(max_receive_count=10)
     send_all(aws, queues.url, bodies)
-    run = workers(aws, queues.url, dsn, tmp_path, f"{SHAPES}:TransferCheckedHandler")
+    run = workers(aws, queues.url, dsn, tmp_path, HANDLERS[engine]["transfer"])
     run.drain(3, lambda stop: None)
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict())
@@ -75,14 +77,15 @@ def test_transfers_hold_both_accounts_and_every_balance_adds_up(
     assert_no_deadlock(run)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_at_most_the_entity_limit_while_workers_die_and_holders_are_terminated(
-    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:
     create_shape_tables(conn)
-    bodies = hot_runs(MESSAGES)
+    bodies = hot_runs(MESSAGES, engine)
     queues = aws.queues(max_receive_count=10, visibility=2)
     send_all(aws, queues.url, bodies)
-    run = workers(aws, queues.url, dsn, tmp_path, f"{SHAPES}:LimitedCheckedHandler")
+    run = workers(aws, queues.url, dsn, tmp_path, HANDLERS[engine]["limited"])
     run.drain(3, killing_and_terminating(dsn, run))
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict(), run.killed)
@@ -92,16 +95,16 @@ def test_at_most_the_entity_limit_while_workers_die_and_holders_are_terminated(
     assert run.killed
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_shared_readers_run_together_and_never_beside_a_writer(
-    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+    aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:
     create_shape_tables(conn)
     readers, writers = readers_and_writers(MESSAGES)
     reads, writes = aws.queues(max_receive_count=10), aws.queues(max_receive_count=10)
     send_all(aws, reads.url, readers)
     send_all(aws, writes.url, writers)
-    reader = f"{SHAPES}:SharedReaderCheckedHandler"
-    writer = f"{SHAPES}:ExclusiveWriterCheckedHandler"
+    reader, writer = HANDLERS[engine]["reader"], HANDLERS[engine]["writer"]
     reading = workers(aws, reads.url, dsn, tmp_path / "r", reader)
     writing = workers(aws, writes.url, dsn, tmp_path / "w", writer)
     both(lambda: reading.drain(2, lambda stop: None), lambda: writing.drain(2, lambda stop: None))

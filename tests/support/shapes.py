@@ -15,6 +15,22 @@ from dedupworker.testing.checking import Report
 from tests.support.worker_processes import WorkerProcesses
 
 SHAPES = "dedupworker.testing.checking_shapes"
+# Per engine, the checked handler of each shape (checking_shapes).
+HANDLERS = {
+    "transaction": {
+        "transfer": f"{SHAPES}:TransferCheckedHandler",
+        "limited": f"{SHAPES}:LimitedCheckedHandler",
+        "reader": f"{SHAPES}:SharedReaderCheckedHandler",
+        "writer": f"{SHAPES}:ExclusiveWriterCheckedHandler",
+    },
+    "batch": {
+        "transfer": f"{SHAPES}:BatchTransferCheckedHandler",
+        "limited": f"{SHAPES}:BatchLimitedCheckedHandler",
+        "reader": f"{SHAPES}:BatchSharedReaderCheckedHandler",
+        "writer": f"{SHAPES}:BatchExclusiveWriterCheckedHandler",
+    },
+}
+ENGINES = sorted(HANDLERS)
 
 
 def transfers(messages: int, accounts: int, seed: int = 5) -> list[dict[str, Any]]:
@@ -71,10 +87,13 @@ def killing_and_terminating(dsn: str, run: WorkerProcesses) -> Callable[[threadi
     return fault
 
 
-def hot_runs(messages: int, entities: int = 10, run: int = 20) -> list[dict[str, Any]]:
-    """Runs of `run` messages of one entity in turn: a worker's threads meet on one entity,
-    more of them than an entity_limit of 3 lets in."""
-    return [{"msg": str(n), "entity": n // run % entities, "work_ms": 20} for n in range(messages)]
+def hot_runs(messages: int, engine: str, entities: int = 10) -> list[dict[str, Any]]:
+    """Messages over `entities` hot entities, so that more calls meet on one entity than an
+    entity_limit of 3 lets in: runs of 20 messages of one entity in turn for the per-message
+    engine's threads; for the batch engine's, every entity in every batch (entities in turn)."""
+    if engine == "batch":
+        return [{"msg": str(n), "entity": n % entities, "work_ms": 5} for n in range(messages)]
+    return [{"msg": str(n), "entity": n // 20 % entities, "work_ms": 20} for n in range(messages)]
 
 
 def readers_and_writers(messages: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -14,6 +14,7 @@ like the other engines'. How the transaction opens and closes belongs to the sou
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from typing import Any
 
@@ -64,6 +65,7 @@ class BatchEngine:
         self.size = handler.batch_size
         self.source = source_for(transport, handler, pool, threads)
         self._mode = handler.lock_key_mode
+        self._shaped = not handler.lock_shape.plain  # docs/lock-shapes.md
         self._splits = metrics.BATCH_SPLIT_CALLS.labels(handler.name)
 
     @property
@@ -119,10 +121,10 @@ class BatchEngine:
         """Each message's entity: one group of ordinals per entity, in the order of its first
         message, with its lock key; the ledger keys to look up."""
         handler, verdicts, entities = self.handler, call.verdicts, call.entities
-        by_entity: dict[int | str, list[int]] = {}
+        by_entity: dict[object, list[int]] = {}
         keys = Keys()
         dedup_keys: list[str] = []
-        prelocked, int4 = self.source.prelocked, self._mode == "int4"
+        prelocked, int4, shaped = self.source.prelocked, self._mode == "int4", self._shaped
         for i, delivery in enumerate(call.deliveries):
             found = outcomes.identify(handler, delivery)
             if isinstance(found, outcomes.Verdict):
@@ -130,16 +132,22 @@ class BatchEngine:
                 continue
             entity, dedup_key = found
             entities[i] = entity
-            group = by_entity.get(entity)
+            # Another lock shape: one group per set of entities, locked as a JSON array.
+            several = delivery.entities or (entity,)
+            grouped: object = frozenset(several) if shaped else entity
+            group = by_entity.get(grouped)
             if group is not None:
                 group.append(i)
-            elif prelocked(delivery, entity):
-                by_entity[entity] = [i]
+            elif prelocked(delivery, several):
+                by_entity[grouped] = [i]
                 keys.prelocked += 1
             else:
-                by_entity[entity] = [i]
+                by_entity[grouped] = [i]
                 keys.ordinals.append(len(by_entity))
-                if type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
+                if shaped:
+                    keys.numbers.append(None)
+                    keys.texts.append(json.dumps(several))
+                elif type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
                     keys.numbers.append(entity)  # keys.session_key's columns, inline
                     keys.texts.append(None)
                 else:

@@ -74,7 +74,8 @@ class BatchCall:
 
 class Keys:
     """A batch's distinct entities that are still to lock, as the lock statement takes them
-    (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes), each with the
+    (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes; for a handler of
+    another lock shape, each group's entities as a JSON array in `texts`), each with the
     ordinal (from 1) of its entity's group; and how many entities taking the messages locked."""
 
     __slots__ = ("numbers", "ordinals", "prelocked", "texts")
@@ -93,9 +94,9 @@ class BatchSource(Protocol):
         """Up to `size` messages with a connection, their transaction opened as far as the
         source opens it (None: nothing ready)."""
 
-    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
-        """Whether taking the message already locked `entity` (the postgres claim locks the
-        entity given at enqueue)."""
+    def prelocked(self, delivery: Delivery, entities: tuple[int | str, ...]) -> bool:
+        """Whether taking the message already locked the handler's `entities` (the postgres
+        claim locks the entities given at enqueue)."""
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         """Lock the keys that taking the messages did not lock, open the handler's savepoint
@@ -121,6 +122,7 @@ class BatchStatements:
     def __init__(self, handler: BatchHandler) -> None:
         self.namespace = handler.lock_namespace
         self.mode = handler.lock_key_mode
+        self.shape = handler.lock_shape
         self.scope = handler.ledger_scope
         self.timeout = handler.timeout_setting
 
@@ -133,8 +135,11 @@ class BatchStatements:
         if keys.texts:
             if call.savepoint is not None:
                 batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
-            ns = self.namespace
-            if self.mode == "hash64":
+            ns, shape = self.namespace, self.shape
+            if not shape.plain:
+                shaped = (keys.texts, ns, self.mode == "hash64", shape.limit, shape.shared)
+                refused = batch.execute(sql.BATCH_LOCK["shaped"], shaped)
+            elif self.mode == "hash64":
                 refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
             else:
                 params = (keys.numbers, keys.texts, ns, ns)
@@ -200,7 +205,7 @@ class ReceivedBatches:
             received.append(delivery)
         return received
 
-    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
+    def prelocked(self, delivery: Delivery, entities: tuple[int | str, ...]) -> bool:
         return False  # receiving took no lock
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dedupworker.db.schema import check_schema
 from dedupworker.decide.keys import normalize_entity
+from dedupworker.decide.shapes import entities_of
 from dedupworker.message import Message
 from dedupworker.producer import enqueue
 
@@ -103,6 +104,8 @@ def _entity(handler: Handler, body: bytes) -> tuple[object, str | None]:
     """The handler's entity of `body` (as workers compare them), or None and what it raised."""
     message = Message(id="", body=body, headers={}, transport="postgres")
     try:
+        if handler.lock_shape.several:  # docs/lock-shapes.md: stored as a list
+            return list(entities_of(handler.entity_ids(message))), None
         return normalize_entity(handler.entity_id(message)), None
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"

@@ -33,6 +33,7 @@ from dedupworker.engines.common import has_after_settle
 from dedupworker.handler import BatchHandler
 from dedupworker.transport import Delivery
 from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
+from dedupworker.transports.postgres.transaction import claim_lock
 
 if TYPE_CHECKING:
     from dedupworker.transports.postgres.jobs import Jobs
@@ -81,12 +82,12 @@ class ClaimedBatches:
         self.pool = pool
         self.handler = handler
         self.statements = BatchStatements(handler)
-        namespace, mode = handler.lock_namespace, handler.lock_key_mode
+        mode, self._namespaces = claim_lock(handler.lock_shape)  # the lock's parameters
+        self._shaped = mode == "shaped"
         self._claim_sql = sql.BATCH_CLAIM[mode]
         self._shared = sql.BATCH_CLAIM_SHARED[mode]
         self._threads = max(1, threads)
         self._thread = _Thread()
-        self._namespaces = (namespace,) * 3 if mode == "int4" else (namespace,)  # see the SQL
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = has_after_settle(handler)
 
@@ -145,10 +146,9 @@ class ClaimedBatches:
         """Move this thread's cursor past a full claim; back to the head after a short one."""
         self._thread.cursor = claimed[-1][-1] if len(claimed) >= size else None
 
-    def prelocked(self, delivery: Delivery, entity: int | str) -> bool:
-        """The claim locked the entity given at enqueue: ours if it is the handler's."""
-        given = delivery.receipt.entity
-        return given is not None and type(given) is type(entity) and given == entity
+    def prelocked(self, delivery: Delivery, entities: tuple[int | str, ...]) -> bool:
+        """The claim locked the entities given at enqueue: ours if they are the handler's."""
+        return self.queue.given_lock(delivery, entities, self._shaped) is True
 
     def _claim_rows(self, start: Batch, size: int) -> Result:
         queue, namespaces = self.queue.queue, self._namespaces

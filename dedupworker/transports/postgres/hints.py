@@ -34,11 +34,14 @@ MISSES_TO_DROP = 10  # ... and how many of them may name another entity before t
 _FIELD = re.compile(r"[A-Za-z0-9_]{1,63}")  # fields a hint is made for: no escaping needed
 
 
-def pattern_for(field: str) -> str:
-    """The regular expression (PostgreSQL's) that finds `"field": value` in a body's text and
-    captures the value: an integer, or a string without escapes (a backslash in the text means
-    an escape, or a non-ASCII byte as `encode(body, 'escape')` shows it)."""
-    return rf'"{field}"[[:space:]]*:[[:space:]]*(-?[0-9]+(?![.eE0-9])|"[^"\\]*")'
+def pattern_for(fields: tuple[str, ...]) -> str:
+    """The regular expression (PostgreSQL's) that finds `"field": value` in a body's text, for
+    one of `fields`, and captures the value: an integer, or a string without escapes (a
+    backslash in the text means an escape, or a non-ASCII byte as `encode(body, 'escape')`
+    shows it). A handler of several entities (entity_ids) has a field for each; its claims
+    take every value found (sql._HINTS)."""
+    name = fields[0] if len(fields) == 1 else f"(?:{'|'.join(fields)})"
+    return rf'"{name}"[[:space:]]*:[[:space:]]*(-?[0-9]+(?![.eE0-9])|"[^"\\]*")'
 
 
 class EntityHints:
@@ -48,25 +51,27 @@ class EntityHints:
     a lock (a lost update delays learning or dropping by one message)."""
 
     def __init__(self) -> None:
-        self.field: str | None = None
-        self.pattern: str | None = None  # pattern_for(field), sent with every claim
-        self._candidate: str | None = None
+        self.fields: tuple[str, ...] | None = None
+        self.pattern: str | None = None  # pattern_for(fields), sent with every claim
+        self._candidate: tuple[str, ...] | None = None
         self._in_a_row = 0
         self._looked_at = 0
         # The last MISS_WINDOW hints judged (True: it missed) and how many of them missed.
         self._judged: deque[bool] = deque(maxlen=MISS_WINDOW)
         self._misses = 0
 
-    def saw(self, message: Message, entity: int | str, hinted: Any, ours: bool | None) -> None:
-        """A message's entity, as `entity_id` gave it, beside what the claim found in it
-        (`hinted`: the entity stored or hinted, None if neither) and what that said (`ours`:
-        None when it was not the handler's entity)."""
+    def saw(
+        self, message: Message, entities: tuple[int | str, ...], hinted: Any, ours: bool | None
+    ) -> None:
+        """A message's entities, as `entity_id` (or `entity_ids`) gave them, beside what the
+        claim found in it (`hinted`: the entity stored or hinted, None if neither) and what
+        that said (`ours`: None when it was not the handler's)."""
         if self.pattern is not None:
             if hinted is not None:
                 self._judge(missed=ours is None)
             return
         if hinted is None and self._looked_at < GIVE_UP_AFTER:
-            self._learn(message, entity)
+            self._learn(message, entities)
 
     def _judge(self, missed: bool) -> None:
         judged = self._judged
@@ -77,21 +82,33 @@ class EntityHints:
         if self._misses >= MISSES_TO_DROP:
             self._use(None)
 
-    def _use(self, field: str | None) -> None:
-        """Hint from `field` from now on (None: no hint, and learning starts over)."""
-        self.field, self.pattern = field, None if field is None else pattern_for(field)
+    def _use(self, fields: tuple[str, ...] | None) -> None:
+        """Hint from `fields` from now on (None: no hint, and learning starts over)."""
+        self.fields, self.pattern = fields, None if fields is None else pattern_for(fields)
         self._judged.clear()
         self._misses = self._in_a_row = 0
 
-    def _learn(self, message: Message, entity: int | str) -> None:
+    def _learn(self, message: Message, entities: tuple[int | str, ...]) -> None:
         self._looked_at += 1
-        field = _only_field_equal(message, entity)
-        if field is None or field != self._candidate:
-            self._candidate, self._in_a_row = field, 0 if field is None else 1
+        fields = _fields_equal(message, entities)
+        if fields is None or fields != self._candidate:
+            self._candidate, self._in_a_row = fields, 0 if fields is None else 1
             return
         self._in_a_row += 1
         if self._in_a_row >= LEARN_AFTER:
-            self._use(field)
+            self._use(fields)
+
+
+def _fields_equal(message: Message, entities: tuple[int | str, ...]) -> tuple[str, ...] | None:
+    """For each entity the one top-level field of the body that is it, sorted (None: one of
+    them has no such field, or more than one, or two entities share a field)."""
+    fields = set()
+    for entity in entities:
+        field = _only_field_equal(message, entity)
+        if field is None:
+            return None
+        fields.add(field)
+    return tuple(sorted(fields)) if len(fields) == len(entities) else None
 
 
 def _only_field_equal(message: Message, entity: int | str) -> str | None:

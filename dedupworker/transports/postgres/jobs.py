@@ -26,7 +26,7 @@ class Jobs(Transport, Protocol):
     def claim(
         self,
         batch: Executor,
-        lock: tuple[int, ClaimLock],
+        lock: tuple[ClaimLock, tuple[Any, ...]],
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,
@@ -39,5 +39,7 @@ class Jobs(Transport, Protocol):
     def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
         """The jobs a batch claim got."""
 
-    def given_lock(self, delivery: Delivery, entity: int | str) -> bool | None:
-        """What the claim's try of the entity given at enqueue says of `entity`."""
+    def given_lock(
+        self, delivery: Delivery, entities: tuple[int | str, ...], shaped: bool = False
+    ) -> bool | None:
+        """What the claim's try of the entities given at enqueue says of the handler's."""

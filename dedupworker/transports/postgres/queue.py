@@ -34,11 +34,12 @@ IN_FLIGHT_RECHECK = 0.05
 
 
 class Job(NamedTuple):
-    """A claimed job's receipt: its id, and the entity given at enqueue with whether the claim
-    took that entity's lock (both None when none was given)."""
+    """A claimed job's receipt: its id, and the entity given at enqueue (or hinted; a list of
+    them for a handler of several entities) with whether the claim took its lock (both None
+    when none was given)."""
 
     id: int
-    entity: int | str | None
+    entity: int | str | list[Any] | None
     locked: bool | None
 
 
@@ -121,23 +122,22 @@ class PostgresTransport:
     def claim(
         self,
         batch: Executor,
-        lock: tuple[int, sql.ClaimLock],
+        lock: tuple[sql.ClaimLock, tuple[Any, ...]],
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
-        of the entity given at enqueue with the handler's `lock` (namespace, key mode, or
-        "shaped": none, for a handler that locks its entities in a shape of its own), and
+        of the entity given at enqueue with the handler's `lock` (its mode, a key mode or
+        "shaped", and that mode's parameters: `claim_lock`), and
         with `skip` passes over jobs whose given entity is locked, if it can; else it starts
         at `cursor` (a run_at its thread claimed before; None: the head). With no entity
         given, either tries the lock of the one `hint` finds in the body (see hints.py)."""
-        namespace, mode = lock
-        namespaces = (namespace,) * sql.LOCK_NAMESPACES[mode]
+        mode, lock_params = lock
         if skip:
-            params = (self.queue, self.queue, *namespaces, hint, hint)
+            params = (self.queue, self.queue, *lock_params, hint, hint)
             return batch.execute(sql.CLAIM_SKIPPING[mode], params)
-        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *namespaces, hint))
+        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *lock_params, hint))
 
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a `claim` got (its row, the claim's run_at column aside)."""
@@ -178,15 +178,27 @@ class PostgresTransport:
         return deliveries
 
     @staticmethod
-    def given_lock(delivery: Delivery, entity: int | str) -> bool | None:
-        """What the claim's try of the entity given at enqueue says about `entity`: held
-        (True), held elsewhere (False), or nothing (None: no entity given, or not the
-        handler's own: a stored entity is a hint, never trusted unless equal)."""
+    def given_lock(
+        delivery: Delivery, entities: tuple[int | str, ...], shaped: bool = False
+    ) -> bool | None:
+        """What the claim's try of the entities given at enqueue (or hinted) says about the
+        handler's `entities`: held (True), held elsewhere (False), or nothing (None: none
+        given, or not the handler's own: a stored entity is a hint, never trusted unless the
+        same; several, as a set). A list is locked whole by a `shaped` handler's claim only
+        (sql.CLAIM_LOCKING["shaped"]); another claims hashes its text as one key."""
         job: Job = delivery.receipt
-        given = job.entity
-        if job.locked is None or type(given) is not type(entity) or given != entity:
+        if job.locked is None:
             return None
-        return job.locked
+        given = job.entity
+        if type(given) is list:
+            if not shaped:
+                return None
+            found = {normalize_entity(e) if type(e) is str else e for e in given}
+            same = found == set(entities) and all(type(e) in (int, str) for e in found)
+        else:
+            [entity] = entities if len(entities) == 1 else (None,)
+            same = type(given) is type(entity) and given == entity
+        return job.locked if same else None
 
     def ack(self, delivery: Delivery, conn: Executor | None) -> None:
         if self.ordered:
@@ -320,7 +332,10 @@ class PostgresTransport:
 
 
 def _entity_json(delivery: Delivery) -> str | None:
-    """The entity its engine found, as jobs.entity holds one (JSON: 7 or "abc")."""
+    """The entity its engine found, as jobs.entity holds one (JSON: 7 or "abc"; a handler's
+    several entities as an array, which its claims lock: sql.CLAIM_LOCKING["shaped"])."""
+    if delivery.entities is not None:
+        return json.dumps(delivery.entities)
     return None if delivery.entity is None else json.dumps(delivery.entity)
 
 

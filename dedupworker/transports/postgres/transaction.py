@@ -30,6 +30,7 @@ from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
 from dedupworker.decide.outcomes import Outcome, Verdict
 from dedupworker.decide.settle import carry_out
+from dedupworker.decide.shapes import LockShape
 from dedupworker.engines.common import OPEN, has_after_settle
 from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler
@@ -90,11 +91,7 @@ class ClaimedTransactions:
         self.queue = queue
         self.pool = pool
         self.handler = handler
-        # A handler of another lock shape locks its entities itself, in the lock's round trip
-        # (decide/shapes.py): its claims lock no entity, and learn no hint.
-        self._shaped = not handler.lock_shape.plain
-        claim_lock: sql.ClaimLock = "shaped" if self._shaped else handler.lock_key_mode
-        self._lock = (handler.lock_namespace, claim_lock)
+        self._lock = claim_lock(handler.lock_shape)
         self._scope = handler.ledger_scope
         self._timeout = handler.timeout_setting
         # The default hook does nothing: skip the extra round trip it would need.
@@ -132,11 +129,9 @@ class ClaimedTransactions:
     def prelocked(self, call: Call, entity: int | str) -> bool | None:
         """What the claim's try of the entity given at enqueue (or hinted) says of `entity`."""
         delivery = call.delivery
-        if self._shaped:
-            self._thread.savepoint_ahead = False
-            return None
-        ours = self.queue.given_lock(delivery, entity)
-        self._hints.saw(delivery.message, entity, delivery.receipt.entity, ours)
+        entities = delivery.entities or (entity,)
+        ours = self.queue.given_lock(delivery, entities, self._lock[0] == "shaped")
+        self._hints.saw(delivery.message, entities, delivery.receipt.entity, ours)
         self._thread.savepoint_ahead = ours is not None
         return ours
 
@@ -248,3 +243,11 @@ def _end_savepoint(conn: Executor, keep: bool) -> None:
     if not keep:
         conn.execute(ROLLBACK_TO_SAVEPOINT)
     conn.execute(RELEASE_SAVEPOINT)
+
+
+def claim_lock(shape: LockShape) -> tuple[sql.ClaimLock, tuple[Any, ...]]:
+    """How `Jobs.claim` tries the lock of a job's given (or hinted) entity for a
+    handler of `shape`: its statement's mode and parameters."""
+    if shape.plain:
+        return shape.mode, (shape.namespace,) * sql.LOCK_NAMESPACES[shape.mode]
+    return "shaped", (shape.namespace, shape.mode == "hash64", shape.limit, shape.shared)
