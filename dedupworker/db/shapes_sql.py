@@ -47,6 +47,25 @@ BEGIN
                       WHEN n IS NOT NULL THEN n::int8
                       ELSE hashtext(t)::int8 END AS key
           FROM unnest(nums, texts) AS entity(n, t)) AS keyed;
+    IF cardinality(keys) = 1 THEN
+        -- one key: a failure took nothing, no subtransaction is needed to give it back
+        k := keys[1];
+        FOR s IN 0 .. lim - 1 LOOP
+            IF wide AND shared THEN
+                got := pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s));
+            ELSIF wide THEN
+                got := pg_try_advisory_xact_lock(dedupworker.slot_key(k, s));
+            ELSIF shared THEN
+                got := pg_try_advisory_xact_lock_shared(ns, dedupworker.slot_key(k::int4, s));
+            ELSE
+                got := pg_try_advisory_xact_lock(ns, dedupworker.slot_key(k::int4, s));
+            END IF;
+            IF got THEN
+                RETURN true;
+            END IF;
+        END LOOP;
+        RETURN false;
+    END IF;
     BEGIN
         FOREACH k IN ARRAY keys LOOP
             got := false;
@@ -80,20 +99,28 @@ $fn$;
 CREATE FUNCTION dedupworker.try_json_entity_locks(
     ns int4, entities jsonb, wide boolean, lim int4, shared boolean
 ) RETURNS boolean
-LANGUAGE sql VOLATILE AS $fn$
-SELECT CASE WHEN count(*) > 0
-            THEN dedupworker.try_entity_locks(ns, array_agg(num), array_agg(
-                     CASE WHEN num IS NULL THEN txt END), wide, lim, shared) END
-FROM (SELECT CASE WHEN wide THEN NULL
-                  WHEN jsonb_typeof(e) = 'number' AND e::numeric BETWEEN -2147483648 AND 2147483647
-                       AND e::numeric = trunc(e::numeric)
-                      THEN (e::numeric)::int4
-                  WHEN jsonb_typeof(e) = 'string' AND e #>> '{}' ~ '^(0|-?[1-9][0-9]{0,9})$'
-                       AND (e #>> '{}')::numeric BETWEEN -2147483648 AND 2147483647
-                      THEN (e #>> '{}')::int4
-             END AS num,
-             e #>> '{}' AS txt
-      FROM jsonb_array_elements(CASE jsonb_typeof(entities) WHEN 'array' THEN entities
-                                     ELSE jsonb_build_array(entities) END) AS e) AS found
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    nums int4[];
+    texts text[];
+BEGIN
+    SELECT array_agg(num), array_agg(CASE WHEN num IS NULL THEN txt END) INTO nums, texts
+    FROM (SELECT CASE WHEN wide THEN NULL
+                      WHEN jsonb_typeof(e) = 'number'
+                           AND e::numeric BETWEEN -2147483648 AND 2147483647
+                           AND e::numeric = trunc(e::numeric)
+                          THEN (e::numeric)::int4
+                      WHEN jsonb_typeof(e) = 'string' AND e #>> '{}' ~ '^(0|-?[1-9][0-9]{0,9})$'
+                           AND (e #>> '{}')::numeric BETWEEN -2147483648 AND 2147483647
+                          THEN (e #>> '{}')::int4
+                 END AS num,
+                 e #>> '{}' AS txt
+          FROM jsonb_array_elements(CASE jsonb_typeof(entities) WHEN 'array' THEN entities
+                                         ELSE jsonb_build_array(entities) END) AS e) AS found;
+    IF texts IS NULL THEN
+        RETURN NULL;  -- no entity
+    END IF;
+    RETURN dedupworker.try_entity_locks(ns, nums, texts, wide, lim, shared);
+END
 $fn$;
 """
