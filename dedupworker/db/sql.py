@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from dedupworker.db.shapes_sql import HINTS
+
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
 # The session-lock engine (dedupworker.engines.session) claims a postgres job by a session lock
@@ -122,8 +124,8 @@ _LOCKS = {
            ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
        END""",
     # A handler of another lock shape (dedupworker.decide.shapes): every entity stored with the
-    # job (a JSON array, or one) or hinted (_HINTS), in the handler's shape: its namespace,
-    # whether its key mode is hash64, its entity_limit, whether shared (db/shapes_sql.py).
+    # job (a JSON array, or one) or hinted (shapes_sql.HINTS), in the handler's shape: its
+    # namespace, whether its key mode is hash64, its entity_limit, whether shared.
     "shaped": """CASE
            WHEN entity IS NULL THEN NULL
            ELSE dedupworker.try_json_entity_locks(%s::int4, entity, %s::bool, %s::int4, %s::bool)
@@ -134,16 +136,7 @@ ClaimLock = Literal["int4", "hash64", "shaped"]
 # The handler's lock_namespace, once per use of it in _LOCKS[mode] (not "shaped"'s).
 LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
 
-# A shaped handler's hint: every value the pattern captures (one field's, or any of several
-# fields': transports/postgres/hints.py), as a JSON array; NULL when it finds none.
-_HINTS = """(
-        SELECT jsonb_agg(CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
-                              ELSE to_jsonb(v::numeric) END)
-        FROM (SELECT (regexp_matches(encode(substr(body, 1, 8192), 'escape'), pattern, 'g'))[1]
-                     AS v
-              FROM (SELECT %s::text AS pattern) AS asked
-              WHERE pattern IS NOT NULL) AS found)"""
-_HINT_OF = {"int4": _HINT, "hash64": _HINT, "shaped": _HINTS}
+_HINT_OF = {"int4": _HINT, "hash64": _HINT, "shaped": HINTS}
 CLAIM_LOCKING = {
     mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode], late=LATE)
     for mode, lock in _LOCKS.items()
