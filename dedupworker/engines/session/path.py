@@ -215,14 +215,7 @@ class CallPath:
         if self.threads is None:
             return method(*args)  # a plain method of an async handler: it must not block
         running = asyncio.get_running_loop().run_in_executor(self.threads, method, *args)
-        try:
-            return await asyncio.shield(running)
-        except asyncio.CancelledError:
-            # Cut off: a thread cannot be stopped. Its writes are refused from now on, and the
-            # guard keeps the key held until it returns.
-            with contextlib.suppress(BaseException):
-                await running
-            raise
+        return await outlived(running)
 
     # --- settle -----------------------------------------------------------------------------
 
@@ -392,3 +385,15 @@ def _bind(session: LockSession, query: Any, params: Any) -> str:
     cursor = psycopg.AsyncClientCursor(session.conn)
     bound = cursor.mogrify(query, params)
     return bound if isinstance(bound, str) else bytes(bound).decode()
+
+
+async def outlived(running: asyncio.Future[Any]) -> Any:
+    """A handler thread's result; cut off, the call waits for it however often it is cancelled
+    again, its turn and guard kept (an unshielded wait ended at a second cancellation)."""
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        while not running.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(running)
+        raise
