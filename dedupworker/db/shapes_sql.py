@@ -28,6 +28,30 @@ CREATE FUNCTION dedupworker.slot_key(k int8, s int4) RETURNS int8
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$ SELECT CASE WHEN s = 0 THEN k ELSE hashtextextended(k::text || '#' || s::text, 0) END $fn$;
 
+-- One entity's key `k` in its first free slot (of `lim`), in the handler's mode.
+CREATE FUNCTION dedupworker.try_entity_slot(
+    ns int4, k int8, wide boolean, lim int4, shared boolean
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    s int4;
+    got boolean;
+BEGIN
+    FOR s IN 0 .. lim - 1 LOOP
+        got := CASE WHEN wide AND shared
+                        THEN pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s))
+                    WHEN wide THEN pg_try_advisory_xact_lock(dedupworker.slot_key(k, s))
+                    WHEN shared
+                        THEN pg_try_advisory_xact_lock_shared(ns, dedupworker.slot_key(k::int4, s))
+                    ELSE pg_try_advisory_xact_lock(ns, dedupworker.slot_key(k::int4, s)) END;
+        IF got THEN
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
+END
+$fn$;
+
 -- ns: the handler's lock_namespace; nums: the entities that are int4 keys themselves (NULL
 -- where not); texts: the others, hashed as keys.lock_key hashes them (hashtext, or
 -- hashtextextended(text, ns) when wide, the hash64 key mode); lim: entity_limit; shared:
@@ -39,8 +63,6 @@ LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     keys int8[];
     k int8;
-    s int4;
-    got boolean;
 BEGIN
     SELECT array_agg(DISTINCT key ORDER BY key) INTO keys
     FROM (SELECT CASE WHEN wide THEN hashtextextended(t, ns)
@@ -49,39 +71,11 @@ BEGIN
           FROM unnest(nums, texts) AS entity(n, t)) AS keyed;
     IF cardinality(keys) = 1 THEN
         -- one key: a failure took nothing, no subtransaction is needed to give it back
-        k := keys[1];
-        FOR s IN 0 .. lim - 1 LOOP
-            IF wide AND shared THEN
-                got := pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s));
-            ELSIF wide THEN
-                got := pg_try_advisory_xact_lock(dedupworker.slot_key(k, s));
-            ELSIF shared THEN
-                got := pg_try_advisory_xact_lock_shared(ns, dedupworker.slot_key(k::int4, s));
-            ELSE
-                got := pg_try_advisory_xact_lock(ns, dedupworker.slot_key(k::int4, s));
-            END IF;
-            IF got THEN
-                RETURN true;
-            END IF;
-        END LOOP;
-        RETURN false;
+        RETURN dedupworker.try_entity_slot(ns, keys[1], wide, lim, shared);
     END IF;
     BEGIN
         FOREACH k IN ARRAY keys LOOP
-            got := false;
-            FOR s IN 0 .. lim - 1 LOOP
-                IF wide AND shared THEN
-                    got := pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s));
-                ELSIF wide THEN
-                    got := pg_try_advisory_xact_lock(dedupworker.slot_key(k, s));
-                ELSIF shared THEN
-                    got := pg_try_advisory_xact_lock_shared(ns, dedupworker.slot_key(k::int4, s));
-                ELSE
-                    got := pg_try_advisory_xact_lock(ns, dedupworker.slot_key(k::int4, s));
-                END IF;
-                EXIT WHEN got;
-            END LOOP;
-            IF NOT got THEN
+            IF NOT dedupworker.try_entity_slot(ns, k, wide, lim, shared) THEN
                 RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
             END IF;
         END LOOP;
