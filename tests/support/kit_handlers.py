@@ -3,6 +3,7 @@ real worker processes: a correct read-modify-write balance and the classic bugs.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -149,10 +150,28 @@ class Transfer(Handler):
 
 
 class TransferNamingOneAccount(Transfer):
-    """The bug: the transfer locks the account it takes from, not the one it pays into."""
+    """The bug: the transfer locks the account it takes from, not the one it pays into. Any two
+    transfers between 3 accounts share one, so the right locks never let two run at once, and
+    these do whenever two threads hold calls at the same time: each call waits (up to 2 s) for
+    another to be running beside it, so the race shows however the threads were scheduled."""
+
+    _running = 0
+    _changed = threading.Condition()
 
     def entity_ids(self, message: Message) -> Any:
         return (message.json()["from"],)
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        cls = TransferNamingOneAccount
+        with cls._changed:
+            cls._running += 1
+            cls._changed.notify_all()
+            cls._changed.wait_for(lambda: cls._running > 1, timeout=2)
+        try:
+            super().handle(message, conn)
+        finally:
+            with cls._changed:
+                cls._running -= 1
 
 
 class TenantCalls(Handler):

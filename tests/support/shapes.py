@@ -97,10 +97,11 @@ def hot_runs(messages: int, engine: str, entities: int = 10) -> list[dict[str, A
 
 
 def readers_and_writers(messages: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Half reads (20 ms), half writes (5 ms), over 10 entities."""
+    """Half reads (20 ms), half writes (5 ms), over 3 entities: any 4 readers running at once
+    (one worker's `--concurrency 4`) hold two of one entity, which shared locks must allow."""
     half = messages // 2
-    readers = [{"msg": f"r{n}", "entity": n % 10, "work_ms": 20} for n in range(half)]
-    writers = [{"msg": f"w{n}", "entity": n % 10, "work_ms": 5} for n in range(half)]
+    readers = [{"msg": f"r{n}", "entity": n % 3, "work_ms": 20} for n in range(half)]
+    writers = [{"msg": f"w{n}", "entity": n % 3, "work_ms": 5} for n in range(half)]
     return readers, writers
 
 

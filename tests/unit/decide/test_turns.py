@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Hashable
-from typing import Any
 
 import pytest
 
 from dedupworker.decide.turns import AsyncTurns, LocalTurns
+from tests.support.loops import run_loop
 
 
 def test_one_thread_waits_for_the_running_one_and_a_third_is_turned_away() -> None:
@@ -52,26 +52,6 @@ def test_a_wait_that_runs_out_gives_no_turn() -> None:
     assert turns.take(("k", 1), wait=0) is True
     turns.give_back(("k", 1))
     assert turns._turns == {}
-
-
-def run_loop(main: Any) -> Any:
-    """`asyncio.run(main())` on a thread of its own: the test process may have a loop running on
-    its main thread already (a browser test's, in the same test process)."""
-    done: list[Any] = []
-
-    def run() -> None:
-        try:
-            done.append(asyncio.run(main()))
-        except BaseException as exc:  # handed to the test's thread
-            done.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert done, "the event loop did not finish within 30 s"
-    if isinstance(done[0], BaseException):
-        raise done[0]
-    return done[0]
 
 
 class Holder:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dedupworker.engines.session.path import outlived
+from tests.support.loops import run_loop
 
 
 def test_a_cut_off_call_waits_for_its_thread_however_often_it_is_cancelled() -> None:
@@ -33,4 +34,4 @@ def test_a_cut_off_call_waits_for_its_thread_however_often_it_is_cancelled() -> 
                 await task
             return returned.is_set()
 
-    assert asyncio.run(main()), "the call ended while its thread still ran"
+    assert run_loop(main), "the call ended while its thread still ran"
