@@ -91,7 +91,7 @@ CALLS_CANCELLED = Counter(
 LOCK_LOST_RUN_ON = Histogram(
     "dedupworker_lock_lost_run_on_seconds",
     "For a call cut off by a lost lock session: from the session's last sign of life to the "
-    "call's end (its guard session kept the key held meanwhile).",
+    "call's end (the worker's warning says whether its guard session held the key meanwhile).",
     ["handler"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )

@@ -63,6 +63,7 @@ class SessionCall(Call):
 
     __slots__ = (
         "call_conn",
+        "cut_off",
         "guard",
         "key",
         "locked_row",
@@ -86,6 +87,8 @@ class SessionCall(Call):
         self.call_conn: AsyncCallConnection | CallConnection | None = None
         self.slot: asyncio.Semaphore | None = None  # the --concurrency slot it holds
         self.task: asyncio.Task[None] | None = None
+        # Cut off by its primary's loss: (that session's last sign of life, guarded then).
+        self.cut_off: tuple[float, bool] | None = None
 
     def move(self, to: CallState) -> CallState:
         """Go to `to` (one of `ALLOWED[state]`); the state it left."""

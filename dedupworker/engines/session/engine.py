@@ -143,7 +143,7 @@ class SessionEngine:
 
     @property
     def longest_run_on(self) -> float:
-        return self.path.longest_run_on
+        return self.path.run_ons.longest
 
     # --- the worker's side ---------------------------------------------------------------
 

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -40,6 +38,7 @@ from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
 from dedupworker.engines.session.call import CallState, SessionCall
 from dedupworker.engines.session.connection import AsyncCallConnection, CallConnection
+from dedupworker.engines.session.cutoff import RunOns
 from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.source import SessionSource
@@ -77,7 +76,7 @@ class CallPath:
         self.slots = asyncio.Semaphore(concurrency)
         self.read_pool: AsyncConnectionPool[Any] | None = None
         self.sync_pool: ConnectionPool[Any] | None = None
-        self.longest_run_on = 0.0
+        self.run_ons = RunOns(handler.name, recorder)
         kind = type(handler)
         self._may_run = kind.may_run is not Handler.may_run
         self._after_settle = has_after_settle(handler)
@@ -85,7 +84,6 @@ class CallPath:
         self.observe = recorder.observe
         self._m_locks = metrics.SESSION_LOCKS.labels(handler.name)
         self._m_cancelled = metrics.CALLS_CANCELLED.labels(handler.name)
-        self._m_run_on = metrics.LOCK_LOST_RUN_ON.labels(handler.name)
 
     async def process(self, call: SessionCall) -> None:
         """Decide, settle, end and record one message."""
@@ -270,6 +268,8 @@ class CallPath:
         if the giving back is cancelled: the bookkeeping is in `finally`)."""
         was = call.move(S.ENDING)
         try:
+            if call.cut_off is not None:
+                await self.run_ons.ended(call)  # before its guard lets go
             if was is not S.SETTLED:
                 released = [self._release_guard(call), self._unlock(call)]
                 cut = was is S.CUT
@@ -312,7 +312,8 @@ class CallPath:
 
     def cut(self, call: SessionCall, session: LockSession | None) -> None:
         """Its primary was lost (`session`), or the shutdown deadline came (None): the task is
-        cancelled; a thread runs on, its writes refused, until it returns."""
+        cancelled; a thread runs on, its writes refused, until it returns (`cutoff.py` reports
+        it once it ended)."""
         call.move(S.CUT)
         if call.task is None or call.task.done():
             return
@@ -321,26 +322,7 @@ class CallPath:
             return
         if self.observe:
             self._m_cancelled.inc()
-        ran_on = functools.partial(self._ran_on, call, session.alive_at, call.guard is not None)
-        call.task.add_done_callback(ran_on)
-
-    def _ran_on(self, call: SessionCall, since: float, guarded: bool, task: object = None) -> None:
-        seconds = time.monotonic() - since
-        self.longest_run_on = max(self.longest_run_on, seconds)
-        with self.recorder.lock:
-            self.recorder.stats["cut_off"] += 1
-        if self.observe:
-            self._m_run_on.observe(seconds)
-        log.warning(
-            "%s message %s: cut off, its lock session lost; the call ended %.3fs after the "
-            "session's last sign of life (%s); it comes back",
-            self.handler.name,
-            call.delivery.message.id,
-            seconds,
-            "its guard session held the key meanwhile"
-            if guarded
-            else "no guard held its key meanwhile: its guard session was lost before",
-        )
+        call.cut_off = (session.alive_at, call.guard is not None)
 
     def _locks_changed(self, delta: int) -> None:
         if self.observe:
