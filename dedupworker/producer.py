@@ -16,6 +16,7 @@ from dedupworker.decide.keys import InvalidEntity, normalize_entity
 from dedupworker.decide.shapes import entities_of
 from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
+from dedupworker.observe import tracing
 
 Body = bytes | str | Mapping[str, Any] | list[Any]
 BATCH_SIZE = 1000
@@ -56,6 +57,7 @@ def enqueue(
     """
     check_queue_name(queue)
     header_map = dict(headers or {})
+    tracing.outgoing(header_map)
     header_value = Jsonb(header_map)
     ids: list[int] = []
     with conn.transaction() if conn.autocommit else contextlib.nullcontext():
