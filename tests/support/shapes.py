@@ -97,11 +97,13 @@ def hot_runs(messages: int, engine: str, entities: int = 10) -> list[dict[str, A
 
 
 def readers_and_writers(messages: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Half reads (20 ms), half writes (5 ms), over 3 entities: any 4 readers running at once
-    (one worker's `--concurrency 4`) hold two of one entity, which shared locks must allow."""
+    """Half reads (20 ms), half writes (5 ms), over 10 entities. Readers come in runs of 4 of
+    one entity, so a worker's 4 threads (`--concurrency 4`) take readers of one entity together,
+    which shared locks must let run side by side (over entities taken in turn, two readers
+    of one entity met only when messages n and n + 10 happened to be in flight at once)."""
     half = messages // 2
-    readers = [{"msg": f"r{n}", "entity": n % 3, "work_ms": 20} for n in range(half)]
-    writers = [{"msg": f"w{n}", "entity": n % 3, "work_ms": 5} for n in range(half)]
+    readers = [{"msg": f"r{n}", "entity": n // 4 % 10, "work_ms": 20} for n in range(half)]
+    writers = [{"msg": f"w{n}", "entity": n % 10, "work_ms": 5} for n in range(half)]
     return readers, writers
 
 
