@@ -28,7 +28,10 @@ CREATE FUNCTION dedupworker.slot_key(k int8, s int4) RETURNS int8
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$ SELECT CASE WHEN s = 0 THEN k ELSE hashtextextended(k::text || '#' || s::text, 0) END $fn$;
 
--- One entity's key `k` in its first free slot (of `lim`), in the handler's mode.
+-- One entity's key `k` in its first free slot (of `lim`), in the handler's mode. Every function
+-- below computes with PL/pgSQL expressions only, never a query: a query inside a function
+-- starts an executor at each call (written with queries, a call of one entity took 5 times
+-- the server time, of two entities 2.5 times: bench/README.md).
 CREATE FUNCTION dedupworker.try_entity_slot(
     ns int4, k int8, wide boolean, lim int4, shared boolean
 ) RETURNS boolean
@@ -37,6 +40,10 @@ DECLARE
     s int4;
     got boolean;
 BEGIN
+    IF lim = 1 AND NOT shared THEN
+        RETURN CASE WHEN wide THEN pg_try_advisory_xact_lock(k)
+                    ELSE pg_try_advisory_xact_lock(ns, k::int4) END;
+    END IF;
     FOR s IN 0 .. lim - 1 LOOP
         got := CASE WHEN wide AND shared
                         THEN pg_try_advisory_xact_lock_shared(dedupworker.slot_key(k, s))
@@ -52,6 +59,47 @@ BEGIN
 END
 $fn$;
 
+-- Every key of a call, sorted (insertion sort: a call has a few) and each tried once; NULL for
+-- none. One key needs no subtransaction: a failure took nothing.
+CREATE FUNCTION dedupworker.try_entity_keys(
+    ns int4, keys int8[], wide boolean, lim int4, shared boolean
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    n int4 := coalesce(cardinality(keys), 0);
+    i int4;
+    j int4;
+    k int8;
+BEGIN
+    IF n = 0 THEN
+        RETURN NULL;
+    END IF;
+    FOR i IN 2 .. n LOOP
+        k := keys[i];
+        j := i - 1;
+        WHILE j >= 1 AND keys[j] > k LOOP
+            keys[j + 1] := keys[j];
+            j := j - 1;
+        END LOOP;
+        keys[j + 1] := k;
+    END LOOP;
+    IF keys[1] = keys[n] THEN
+        RETURN dedupworker.try_entity_slot(ns, keys[1], wide, lim, shared);
+    END IF;
+    BEGIN
+        FOR i IN 1 .. n LOOP
+            CONTINUE WHEN i > 1 AND keys[i] = keys[i - 1];
+            IF NOT dedupworker.try_entity_slot(ns, keys[i], wide, lim, shared) THEN
+                RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN false;  -- what it took went with the block's subtransaction
+    END;
+    RETURN true;
+END
+$fn$;
+
 -- ns: the handler's lock_namespace; nums: the entities that are int4 keys themselves (NULL
 -- where not); texts: the others, hashed as keys.lock_key hashes them (hashtext, or
 -- hashtextextended(text, ns) when wide, the hash64 key mode); lim: entity_limit; shared:
@@ -61,28 +109,15 @@ CREATE FUNCTION dedupworker.try_entity_locks(
 ) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    keys int8[];
-    k int8;
+    keys int8[] := '{}';
+    i int4;
 BEGIN
-    SELECT array_agg(DISTINCT key ORDER BY key) INTO keys
-    FROM (SELECT CASE WHEN wide THEN hashtextextended(t, ns)
-                      WHEN n IS NOT NULL THEN n::int8
-                      ELSE hashtext(t)::int8 END AS key
-          FROM unnest(nums, texts) AS entity(n, t)) AS keyed;
-    IF cardinality(keys) = 1 THEN
-        -- one key: a failure took nothing, no subtransaction is needed to give it back
-        RETURN dedupworker.try_entity_slot(ns, keys[1], wide, lim, shared);
-    END IF;
-    BEGIN
-        FOREACH k IN ARRAY keys LOOP
-            IF NOT dedupworker.try_entity_slot(ns, k, wide, lim, shared) THEN
-                RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
-            END IF;
-        END LOOP;
-    EXCEPTION WHEN lock_not_available THEN
-        RETURN false;  -- what it took went with the block's subtransaction
-    END;
-    RETURN true;
+    FOR i IN 1 .. coalesce(greatest(cardinality(nums), cardinality(texts)), 0) LOOP
+        keys := keys || CASE WHEN wide THEN hashtextextended(texts[i], ns)
+                             WHEN nums[i] IS NOT NULL THEN nums[i]::int8
+                             ELSE hashtext(texts[i])::int8 END;
+    END LOOP;
+    RETURN dedupworker.try_entity_keys(ns, keys, wide, lim, shared);
 END
 $fn$;
 
@@ -95,26 +130,30 @@ CREATE FUNCTION dedupworker.try_json_entity_locks(
 ) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    nums int4[];
-    texts text[];
+    keys int8[] := '{}';
+    e jsonb;
+    t text;
+    i int4;
 BEGIN
-    SELECT array_agg(num), array_agg(CASE WHEN num IS NULL THEN txt END) INTO nums, texts
-    FROM (SELECT CASE WHEN wide THEN NULL
-                      WHEN jsonb_typeof(e) = 'number'
-                           AND e::numeric BETWEEN -2147483648 AND 2147483647
-                           AND e::numeric = trunc(e::numeric)
-                          THEN (e::numeric)::int4
-                      WHEN jsonb_typeof(e) = 'string' AND e #>> '{}' ~ '^(0|-?[1-9][0-9]{0,9})$'
-                           AND (e #>> '{}')::numeric BETWEEN -2147483648 AND 2147483647
-                          THEN (e #>> '{}')::int4
-                 END AS num,
-                 e #>> '{}' AS txt
-          FROM jsonb_array_elements(CASE jsonb_typeof(entities) WHEN 'array' THEN entities
-                                         ELSE jsonb_build_array(entities) END) AS e) AS found;
-    IF texts IS NULL THEN
-        RETURN NULL;  -- no entity
+    IF entities IS NULL THEN
+        RETURN NULL;
     END IF;
-    RETURN dedupworker.try_entity_locks(ns, nums, texts, wide, lim, shared);
+    IF jsonb_typeof(entities) <> 'array' THEN
+        entities := jsonb_build_array(entities);
+    END IF;
+    FOR i IN 0 .. jsonb_array_length(entities) - 1 LOOP
+        e := entities -> i;
+        t := e #>> '{}';
+        CONTINUE WHEN t IS NULL;
+        keys := keys || CASE
+            WHEN wide THEN hashtextextended(t, ns)
+            WHEN jsonb_typeof(e) = 'number' AND e::numeric BETWEEN -2147483648 AND 2147483647
+                 AND e::numeric = trunc(e::numeric) THEN (e::numeric)::int4::int8
+            WHEN jsonb_typeof(e) = 'string' AND t ~ '^(0|-?[1-9][0-9]{0,9})$'
+                 AND t::numeric BETWEEN -2147483648 AND 2147483647 THEN t::int4::int8
+            ELSE hashtext(t)::int8 END;
+    END LOOP;
+    RETURN dedupworker.try_entity_keys(ns, keys, wide, lim, shared);
 END
 $fn$;
 """
