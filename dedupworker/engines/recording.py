@@ -6,16 +6,16 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dedupworker.decide.outcomes import SUCCEEDED, Outcome, Verdict
 from dedupworker.engines.seams import Call
-from dedupworker.observe import metrics
+from dedupworker.observe import metrics, tracing
 from dedupworker.observe.hot import HotEntities
 
 if TYPE_CHECKING:
     from dedupworker.handler import Handler
-    from dedupworker.transport import Delivery
+    from dedupworker.transport import Delivery, Transport
 
 log = logging.getLogger("dedupworker")
 
@@ -29,40 +29,97 @@ class RecordedBatch(Protocol):
     deliveries: list[Delivery]
     entities: list[int | str | None]
     verdicts: list[Verdict | None]
+    span: tracing.Span | None
+
+
+class _Queued(Protocol):
+    @property
+    def queue(self) -> str: ...
+
+
+@runtime_checkable
+class _Configured(Protocol):
+    """A transport with its worker's settings (`dedupworker.WorkerConfig` is one)."""
+
+    @property
+    def config(self) -> _Queued: ...
+
+
+def destination_of(transport: Transport) -> str:
+    """The queue a transport serves, as a trace names it: the postgres queue, the SQS queue's
+    name (the last part of its URL), the Kafka topic."""
+    if not isinstance(transport, _Configured):
+        return transport.name
+    queue = transport.config.queue
+    return queue.rstrip("/").rsplit("/", 1)[-1] if transport.name == "sqs" else queue
 
 
 class Recorder:
     """One handler's outcomes over one transport, recorded from every handler thread."""
 
-    def __init__(self, handler: Handler, transport: str, observe: bool) -> None:
+    def __init__(
+        self, handler: Handler, transport: Transport, observe: bool, engine: str = "transaction"
+    ) -> None:
         self.handler = handler
-        self.transport = transport
+        self.transport = transport.name
+        # What the spans of its calls name, when a tracer is installed (observe/tracing.py).
+        self.target = tracing.Target(
+            handler.name, transport.name, engine, destination_of(transport)
+        )
         # Prometheus recording costs per message; skipped when nothing serves /metrics.
         self.observe = observe
         self.hot = HotEntities()
         self.stats: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()  # guards stats
-        self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, transport)
+        self._lock_wait = metrics.LOCK_WAIT.labels(handler.name, self.transport)
         metrics.HANDLER_LOCK_SHAPE.labels(handler.name, handler.lock_shape.label).set(1)
-        self._in_flight = metrics.IN_FLIGHT.labels(handler.name, transport)
+        self._in_flight = metrics.IN_FLIGHT.labels(handler.name, self.transport)
         self._batch_size = metrics.BATCH_SIZE.labels(handler.name)
         self._counted = {
             outcome: (
-                metrics.MESSAGES.labels(handler.name, transport, outcome.value),
+                metrics.MESSAGES.labels(handler.name, self.transport, outcome.value),
                 metrics.HANDLER_DURATION.labels(handler.name, outcome.value),
             )
             for outcome in Outcome
         }
 
-    def started(self, messages: int = 1) -> float:
-        """A call begins: counted in flight; returns its start for `record`."""
+    def started(self, call: Call) -> float:
+        """A call begins: counted in flight, its span started and made current (a tracer
+        installed); returns its start for `record`."""
         if self.observe:
-            self._in_flight.inc(messages)
+            self._in_flight.inc()
+        if tracing.installed is not None:
+            call.span = tracing.installed.call(self.target, call.delivery)
         return time.perf_counter()
 
-    def ended(self, messages: int = 1) -> None:
+    def started_batch(self, call: RecordedBatch) -> float:
+        """A batch begins: its messages counted in flight, its span started and made current."""
         if self.observe:
-            self._in_flight.dec(messages)
+            self._in_flight.inc(len(call.deliveries))
+        if tracing.installed is not None:
+            call.span = tracing.installed.batch(self.target, call.deliveries)
+        return time.perf_counter()
+
+    def locked(self, call: Call | RecordedBatch) -> None:
+        """The call's locks are taken (a batch's: answered): an event of its span."""
+        if call.span is not None:
+            call.span.locked()
+
+    def ended(self, call: Call, verdict: Verdict | None) -> None:
+        """A call ends, settled with `verdict` or given back (None): no longer in flight, its
+        span ended (on the thread or task that started it)."""
+        if self.observe:
+            self._in_flight.dec()
+        span, call.span = call.span, None
+        if span is not None:
+            span.end((verdict,))
+
+    def ended_batch(self, call: RecordedBatch, settled: bool) -> None:
+        if self.observe:
+            self._in_flight.dec(len(call.deliveries))
+        span, call.span = call.span, None
+        if span is not None:
+            span.end(call.verdicts if settled else [None] * len(call.deliveries))
 
     def record(self, call: Call, verdict: Verdict, started: float) -> None:
         elapsed = time.perf_counter() - started

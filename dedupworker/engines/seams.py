@@ -38,13 +38,14 @@ if TYPE_CHECKING:
     from dedupworker.decide.outcomes import Verdict
     from dedupworker.handler import Handler
     from dedupworker.observe.hot import HotEntities
+    from dedupworker.observe.tracing import Span
     from dedupworker.transport import Delivery, Transport
 
 
 class Call:
     """One message on its way through the runner, with the connection its handler runs on."""
 
-    __slots__ = ("conn", "delivery", "met_busy", "turn")
+    __slots__ = ("conn", "delivery", "met_busy", "span", "turn")
 
     def __init__(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
         self.delivery = delivery
@@ -53,6 +54,7 @@ class Call:
         self.turn: Hashable | None = None
         # The entity was locked elsewhere or running in this process when the message came.
         self.met_busy = False
+        self.span: Span | None = None  # its trace span, while a tracer is installed
 
     @property
     def entity(self) -> int | str | None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import psycopg
 
 from dedupworker.errors import ConfigurationError
+from dedupworker.observe import tracing
 from dedupworker.producer import enqueue
 from dedupworker.testing._recording import HEADER
 from dedupworker.testing._report import Dead
@@ -118,13 +119,16 @@ class SqsSource:
         return {"AWS_ENDPOINT_URL_SQS": self.endpoint, "AWS_DEFAULT_REGION": _region()}
 
     def send(self, batch: Batch) -> None:
+        carried: dict[str, str] = {}
+        tracing.outgoing(carried)  # the current trace context, when tracing is on
         for start in range(0, len(batch), 10):
             entries = [
                 {
                     "Id": str(n),
                     "MessageBody": _text(index, body),
                     "MessageAttributes": {
-                        HEADER: {"DataType": "String", "StringValue": str(index)}
+                        HEADER: {"DataType": "String", "StringValue": str(index)},
+                        **{k: {"DataType": "String", "StringValue": v} for k, v in carried.items()},
                     },
                 }
                 for n, (index, body) in enumerate(batch[start : start + 10])
@@ -218,6 +222,9 @@ class KafkaSource:
         from confluent_kafka import Producer
 
         producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5})
+        carried: dict[str, str] = {}
+        tracing.outgoing(carried)  # the current trace context, when tracing is on
+        traced = [(name, value.encode()) for name, value in carried.items()]
         errors: list[Any] = []
         for index, body in batch:
             key = self.key(index) if self.key else None
@@ -227,7 +234,7 @@ class KafkaSource:
                 self.topic,
                 body,
                 key,
-                headers=[(HEADER, str(index).encode())],
+                headers=[(HEADER, str(index).encode()), *traced],
                 on_delivery=lambda err, _msg: errors.append(err) if err else None,
             )
             producer.poll(0)

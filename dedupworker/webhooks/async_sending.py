@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from dedupworker.errors import ConfigurationError
+from dedupworker.observe import tracing
 from dedupworker.webhooks.responses import AttemptResult, parse_retry_after
 from dedupworker.webhooks.sending import answered, deadline_error, describe_failure
 
@@ -77,8 +78,10 @@ class AsyncSender:
         self, url: str, body: bytes, headers: Mapping[str, str]
     ) -> tuple[int, bytes, float | None]:
         limit = self.max_response_bytes
+        sent = dict(headers)
+        tracing.outgoing(sent)  # the handler call's trace context, when tracing is on
         async with self.session.post(
-            url, data=body, headers=headers, allow_redirects=False
+            url, data=body, headers=sent, allow_redirects=False
         ) as response:
             content = b""
             while len(content) <= limit:

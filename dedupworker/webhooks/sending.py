@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dedupworker.errors import ConfigurationError
+from dedupworker.observe import tracing
 from dedupworker.webhooks.responses import AttemptResult, parse_retry_after
 
 if TYPE_CHECKING:
@@ -139,11 +140,13 @@ class Sender:
     def _exchange(
         self, url: str, body: bytes, headers: Mapping[str, str], deadline: _Deadline
     ) -> tuple[int, bytes, float | None]:
+        sent = dict(headers)
+        tracing.outgoing(sent)  # the handler call's trace context, when tracing is on
         response = self.pool.request(
             "POST",
             url,
             body=body,
-            headers=dict(headers),
+            headers=sent,
             timeout=self._timeout,
             retries=False,
             redirect=False,

@@ -60,7 +60,7 @@ class BatchEngine:
     ) -> None:
         self.handler = handler
         self.transport = transport
-        self.recorder = Recorder(handler, transport.name, observe)
+        self.recorder = Recorder(handler, transport, observe, engine="batch")
         self.hot = self.recorder.hot
         self.size = handler.batch_size
         self.source = source_for(transport, handler, pool, threads)
@@ -80,15 +80,17 @@ class BatchEngine:
         call = self.source.start(self.size)
         if call is None:
             return False
-        started = self.recorder.started(len(call.deliveries))
+        started = self.recorder.started_batch(call)
+        settled = False
         try:
             self._decide(call)
             self.source.settle(call, ahead)
+            settled = True
         except BaseException:
             self.source.abandon(call)
             raise
         finally:
-            self.recorder.ended(len(call.deliveries))
+            self.recorder.ended_batch(call, settled)
         self.recorder.record_batch(call, started)
         return True
 
@@ -102,6 +104,7 @@ class BatchEngine:
         if not groups:
             return
         refused, seen = self.source.lock(call, keys, dedup_keys)
+        self.recorder.locked(call)
         if not refused and not dedup_keys:
             self._call(call, groups, first=True)  # every entity ours, no ledger keys
             return

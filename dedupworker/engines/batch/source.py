@@ -29,6 +29,7 @@ from dedupworker.transport import Delivery, Receives, ReceivesMany
 
 if TYPE_CHECKING:
     from dedupworker.handler import BatchHandler
+    from dedupworker.observe.tracing import Span
 
 SAVEPOINT = "SAVEPOINT dedupworker_batch"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_batch"
@@ -47,6 +48,7 @@ class BatchCall:
         "ended",
         "entities",
         "savepoint",
+        "span",
         "verdicts",
     )
 
@@ -56,6 +58,7 @@ class BatchCall:
         # Per message, in order: its entity once computed, and its verdict once decided.
         self.entities: list[int | str | None] = [None] * len(deliveries)
         self.verdicts: list[Verdict | None] = [None] * len(deliveries)
+        self.span: Span | None = None  # its trace span, while a tracer is installed
         self.dedup: list[str | None] = [None] * len(deliveries)  # ledger keys
         # The handler's savepoint: None (not open), "clean" (open, nothing in it yet), "kept"
         # (open, holding the writes of calls that succeeded).

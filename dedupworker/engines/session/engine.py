@@ -100,7 +100,7 @@ class SessionEngine:
         self.handler = handler
         self.transport = transport
         self.config = config
-        self.recorder = Recorder(handler, transport.name, observe)
+        self.recorder = Recorder(handler, transport, observe, engine="session")
         self.hot = self.recorder.hot
         self._async = inspect.iscoroutinefunction(type(handler).handle)
         # Daemon threads, all of them (see threads.py): a call stuck on one never holds up

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -87,7 +88,7 @@ class CallPath:
 
     async def process(self, call: SessionCall) -> None:
         """Decide, settle, end and record one message."""
-        started = self.recorder.started()
+        started = self.recorder.started(call)
         verdict: outcomes.Verdict | None = None
         try:
             verdict = await self._settle(call, await self._decide(call))
@@ -104,7 +105,7 @@ class CallPath:
             verdict = None
         finally:
             await self.end(call)
-            self.recorder.ended()
+            self.recorder.ended(call, verdict)
         if verdict is not None:
             self.recorder.record(call, verdict, started)
 
@@ -128,6 +129,7 @@ class CallPath:
         if not locked:
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
+        self.recorder.locked(call)
         if seen:
             return outcomes.DUPLICATE
         call.move(S.RUNNING)
@@ -212,7 +214,9 @@ class CallPath:
             return await work
         if self.threads is None:
             return method(*args)  # a plain method of an async handler: it must not block
-        running = asyncio.get_running_loop().run_in_executor(self.threads, method, *args)
+        # In a copy of the task's context: the call's trace span is current on the thread too.
+        run = contextvars.copy_context().run
+        running = asyncio.get_running_loop().run_in_executor(self.threads, run, method, *args)
         return await outlived(running)
 
     # --- settle -----------------------------------------------------------------------------

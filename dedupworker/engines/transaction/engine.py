@@ -45,7 +45,7 @@ class Runner:
         self.handler = handler
         self.transport = transport
         self.pool = pool
-        self.recorder = Recorder(handler, transport.name, observe)
+        self.recorder = Recorder(handler, transport, observe)
         self.hot = self.recorder.hot
         self.turns = LocalTurns()  # for shapes of one call at a time per entity
         self.shape = handler.lock_shape
@@ -65,7 +65,8 @@ class Runner:
         call = self.transactions.start()
         if call is None:
             return False
-        started = self.recorder.started()
+        started = self.recorder.started(call)
+        verdict: outcomes.Verdict | None = None
         try:
             verdict = self._decide(call)
             self.transactions.settle(call, verdict, ahead)
@@ -74,7 +75,7 @@ class Runner:
             raise
         finally:
             self._end_turn(call)
-            self.recorder.ended()
+            self.recorder.ended(call, verdict)
         self.recorder.record(call, verdict, started)
         return True
 
@@ -104,6 +105,7 @@ class Runner:
         locked, seen = self.transactions.lock(call, key, dedup_key)
         if not locked:
             return outcomes.on_contended(handler, delivery)
+        self.recorder.locked(call)
         if seen:
             return outcomes.DUPLICATE
         return self._call(call, dedup_key)

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OTEL_HELP = (
+    "trace each handler call with OpenTelemetry (extra otel; docs/tracing.md), to the app's "
+    "TracerProvider or, if it sets none, the SDK configured from the OTEL_* environment"
+)
+
+
 def _add_run(sub: Any) -> None:
     p = command(
         sub,
@@ -87,6 +93,7 @@ def _add_run(sub: Any) -> None:
         else:
             add_option(p, flag, type=kind, default=DEFAULTS[name], help=help_text)
     _add_transport_options(p)
+    add_option(p, "--otel", action="store_true", help=OTEL_HELP)
     p.set_defaults(func=cmd_run)
 
 
@@ -262,12 +269,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dedupworker.process.worker import Worker
 
     config = _config(args)
+    if args.otel:
+        _instrument()
     loaded = [load_class(path, (Handler, Singleton)) for path in args.handlers]
     handlers = [obj for obj in loaded if isinstance(obj, Handler)]
     for handler in handlers:
         validate_handler(handler)
     singletons = [obj for obj in loaded if isinstance(obj, Singleton)]
     return Worker(handlers, config, singletons).run(owns_process=True)
+
+
+def _instrument() -> None:
+    try:
+        from dedupworker import otel  # the extra `otel`, imported only when asked for
+    except ImportError as exc:
+        raise ConfigurationError(f"--otel: {exc}; pip install 'dedupworker[otel]'") from None
+    otel.instrument_worker()
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
