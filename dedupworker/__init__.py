@@ -20,7 +20,7 @@ from dedupworker.handler import BatchHandler, Handler, load_handler
 from dedupworker.message import Message
 from dedupworker.process.singleton import Singleton
 from dedupworker.process.worker import Worker
-from dedupworker.producer import enqueue
+from dedupworker.producer import enqueue, enqueue_async
 from dedupworker.queues import QueueSettings, set_queue
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "WorkerConfig",
     "__version__",
     "enqueue",
+    "enqueue_async",
     "load_handler",
     "lock_key",
     "migrate",

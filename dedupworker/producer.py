@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -15,6 +15,7 @@ from dedupworker.db import sql
 from dedupworker.decide.keys import InvalidEntity, normalize_entity
 from dedupworker.decide.shapes import entities_of
 from dedupworker.errors import ConfigurationError
+from dedupworker.joined import AsyncJoinable, Joinable, async_connection, sync_connection
 from dedupworker.message import Message
 from dedupworker.observe import tracing
 
@@ -32,7 +33,7 @@ def encode_body(body: Body) -> bytes:
 
 
 def enqueue(
-    conn: psycopg.Connection[Any],
+    conn: Joinable,
     queue: str,
     bodies: Iterable[Body],
     *,
@@ -42,9 +43,11 @@ def enqueue(
 ) -> list[int]:
     """Insert messages into `queue` and wake its workers; returns the job ids.
 
-    On a connection that is not in autocommit mode the rows join the caller's transaction,
-    so a producer enqueues atomically with its own writes and commits as usual (workers are
-    woken at that commit); in autocommit mode the batch commits on its own.
+    `conn` is a psycopg connection, or a SQLAlchemy Connection or Session on one (a
+    postgresql+psycopg:// engine). On a connection that is not in autocommit mode the rows
+    join the caller's transaction (a Session's, a Connection's: begun if it has none), so a
+    producer enqueues atomically with its own writes and commits as usual (workers are woken
+    at that commit); in autocommit mode the batch commits on its own.
 
     `entity`, usually the handler's own `entity_id` (``entity=InvoiceHandler().entity_id``),
     is called on each message now and its result stored with the job: a worker then tries the
@@ -55,24 +58,82 @@ def enqueue(
     message for which `entity` returns None is stored without one; an entity that cannot be a
     lock key (or an `entity` that raises) raises InvalidEntity here and enqueues nothing.
     """
-    check_queue_name(queue)
-    header_map = dict(headers or {})
-    tracing.outgoing(header_map)
-    header_value = Jsonb(header_map)
-    ids: list[int] = []
-    with conn.transaction() if conn.autocommit else contextlib.nullcontext():
+    plan = _Enqueue(queue, bodies, headers, delay, entity)
+    pg = sync_connection(conn)
+    with pg.transaction() if pg.autocommit else contextlib.nullcontext():
+        for params in plan.batches():
+            with _ordered_queue_errors():
+                plan.took(pg.execute(sql.ENQUEUE, params).fetchall())
+        if plan.ids:
+            pg.execute(sql.NOTIFY, plan.notify())
+    return plan.ids
+
+
+async def enqueue_async(
+    conn: AsyncJoinable,
+    queue: str,
+    bodies: Iterable[Body],
+    *,
+    headers: Mapping[str, str] | None = None,
+    delay: float = 0.0,
+    entity: Callable[[Message], object] | None = None,
+) -> list[int]:
+    """`enqueue` for asyncio: `conn` is a psycopg AsyncConnection, or a SQLAlchemy
+    AsyncConnection or AsyncSession on one (postgresql+psycopg://); the same rows, in the
+    same transaction rules, with the same arguments."""
+    plan = _Enqueue(queue, bodies, headers, delay, entity)
+    pg = await async_connection(conn)
+    async with pg.transaction() if pg.autocommit else contextlib.nullcontext():
+        for params in plan.batches():
+            with _ordered_queue_errors():
+                cursor = await pg.execute(sql.ENQUEUE, params)
+                plan.took(await cursor.fetchall())
+        if plan.ids:
+            await pg.execute(sql.NOTIFY, plan.notify())
+    return plan.ids
+
+
+class _Enqueue:
+    """One enqueue, whatever the connection: the queue checked, the trace context added to the
+    headers, the bodies encoded with their entities in batches of BATCH_SIZE, the ids taken."""
+
+    def __init__(
+        self,
+        queue: str,
+        bodies: Iterable[Body],
+        headers: Mapping[str, str] | None,
+        delay: float,
+        entity: Callable[[Message], object] | None,
+    ) -> None:
+        check_queue_name(queue)
+        self.header_map = dict(headers or {})
+        tracing.outgoing(self.header_map)
+        self.queue, self.bodies, self.delay, self.entity = queue, bodies, delay, entity
+        self.ids: list[int] = []
+
+    def batches(self) -> Iterator[tuple[Any, ...]]:
+        """The parameters of each batch's `sql.ENQUEUE`."""
         batch: list[tuple[bytes, Jsonb | None]] = []
-        for body in bodies:
+        for body in self.bodies:
             encoded = encode_body(body)
-            batch.append((encoded, _entity_of(entity, encoded, header_map)))
+            batch.append((encoded, _entity_of(self.entity, encoded, self.header_map)))
             if len(batch) >= BATCH_SIZE:
-                ids += _insert(conn, queue, batch, header_value, delay)
+                yield self._params(batch)
                 batch = []
         if batch:
-            ids += _insert(conn, queue, batch, header_value, delay)
-        if ids:
-            conn.execute(sql.NOTIFY, (sql.NOTIFY_CHANNEL, queue))
-    return ids
+            yield self._params(batch)
+
+    def _params(self, batch: list[tuple[bytes, Jsonb | None]]) -> tuple[Any, ...]:
+        bodies = [body for body, _ in batch]
+        entities = [entity for _, entity in batch]
+        headers = [Jsonb(self.header_map)] * len(batch)
+        return (self.queue, self.delay, bodies, headers, entities)
+
+    def took(self, rows: list[tuple[Any, ...]]) -> None:
+        self.ids += [row[0] for row in rows]
+
+    def notify(self) -> tuple[str, str]:
+        return (sql.NOTIFY_CHANNEL, self.queue)
 
 
 def _entity_of(
@@ -96,22 +157,15 @@ def _entity_of(
         ) from exc
 
 
-def _insert(
-    conn: psycopg.Connection[Any],
-    queue: str,
-    batch: list[tuple[bytes, Jsonb | None]],
-    headers: Jsonb,
-    delay: float,
-) -> list[int]:
-    bodies = [body for body, _ in batch]
-    entities = [entity for _, entity in batch]
-    params = (queue, delay, bodies, [headers] * len(batch), entities)
+@contextlib.contextmanager
+def _ordered_queue_errors() -> Iterator[None]:
+    """An enqueue refused by an ordered queue (a message without an entity) as the
+    ConfigurationError it is, with PostgreSQL's hint."""
     try:
-        rows = conn.execute(sql.ENQUEUE, params).fetchall()
+        yield
     except psycopg.errors.NotNullViolation as exc:
         if exc.diag.message_primary and "is ordered" in exc.diag.message_primary:
             raise ConfigurationError(
                 f"{exc.diag.message_primary}: {exc.diag.message_hint}"
             ) from None
         raise
-    return [row[0] for row in rows]
