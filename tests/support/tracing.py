@@ -231,3 +231,30 @@ def check_batch_span(
 
 def current_trace_id() -> int:
     return trace.get_current_span().get_span_context().trace_id
+
+
+def check_engine(
+    traces: Traces,
+    engine: str,
+    config: WorkerConfig,
+    send: Callable[[], None],
+    *,
+    system: str,
+    destination: str,
+) -> ReadableSpan:
+    """`send` one message inside a producer span, serve it with the engine's traced handler,
+    and check its call span (a batch's, for the batch engine); returns the span."""
+    with traces.producing() as producer:
+        send()
+    with serving(ENGINES[engine](traces), config):
+        wait_for(lambda: traces.calls("succeeded"), "the call's span")
+    [span] = traces.calls()
+    found = attributes(span)
+    assert found["dedupworker.engine"] == engine.removesuffix("-async")
+    assert found["dedupworker.transport"] == config.transport
+    if engine == "batch":
+        check_batch_span(traces, span, producer, system, destination)
+    else:
+        check_call_span(traces, span, producer, system, destination)
+        assert found["dedupworker.outcome"] == "succeeded"
+    return span

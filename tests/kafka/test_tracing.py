@@ -1,0 +1,56 @@
+"""OpenTelemetry tracing on Kafka (docs/tracing.md): the testing kit's sends carry the trace
+context in record headers, and each engine's call runs in a CONSUMER span of the producer's
+trace."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from dedupworker import WorkerConfig
+from dedupworker.testing._sources import KafkaSource
+from dedupworker.transports.kafka import KafkaOptions
+from tests.support.kafka_server import FAST_GROUP, Tansu
+from tests.support.tracing import ENGINES, Traces, attributes, check_engine, traced
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def traces() -> Iterator[Traces]:
+    with traced() as found:
+        yield found
+
+
+@pytest.fixture
+def source(broker: Tansu) -> Iterator[KafkaSource]:
+    made = KafkaSource(broker.bootstrap, None, FAST_GROUP)
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_message_runs_in_a_consumer_span_of_its_producers_trace(
+    engine: str, dsn: str, source: KafkaSource, traces: Traces
+) -> None:
+    options = KafkaOptions(
+        bootstrap_servers=source.bootstrap, group_id=source.group, kafka_options=source.options
+    )
+    config = WorkerConfig(
+        dsn=dsn, transport="kafka", queue=source.topic, options=options, concurrency=2
+    )
+    body = json.dumps({"entity": 7}).encode()
+    span = check_engine(
+        traces,
+        engine,
+        config,
+        lambda: source.send([(0, body)]),
+        system="kafka",
+        destination=source.topic,
+    )
+    if engine != "batch":
+        found = attributes(span)
+        assert found["messaging.message.id"].startswith(f"{source.topic}/")
+        assert found["messaging.destination.partition.id"] in {"0", "1", "2", "3"}
