@@ -128,6 +128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_worker_options(parser)
     parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="A's workers trace each call (bench.traced: OpenTelemetry's SDK, in-memory exporter)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all levels; tables show the median"
     )
     args = parser.parse_args(argv)
@@ -312,7 +317,8 @@ def run_all(
 ) -> tuple[list[str], list[list[Row]]]:
     """`rounds` sweeps; each sweep runs every scenario at one concurrency before the next one."""
     queue = f"bench_{os.getpid()}"
-    workers = Workers(args.processes, args.cpu, tree=args.tree)
+    handler = "bench.traced:Noop" if args.tracing else Workers.handler
+    workers = Workers(args.processes, args.cpu, handler, tree=args.tree)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         header = [*machine(conn), pgqueuer_drain.version_line(), server_line(server_pid)]
