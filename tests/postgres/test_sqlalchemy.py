@@ -148,6 +148,20 @@ def test_a_second_session_reads_what_the_first_committed(
     assert balances(dsn) == {1: 10}
 
 
+def test_an_enqueue_through_the_handlers_session_joins_the_workers_transaction(
+    held: psycopg.Connection[Any], dsn: str
+) -> None:
+    with session(held) as orm:
+        enqueue(orm, QUEUE, [P1])
+        orm.rollback()
+        enqueue(orm, QUEUE, [P2])
+        orm.commit()
+    assert still_locked(held, dsn)
+    assert jobs(dsn) == []
+    held.commit()
+    assert jobs(dsn) == [b'{"payment_id":"p2","account_id":2,"amount":7}']
+
+
 def test_a_session_needs_a_handlers_connection_in_its_transaction(dsn: str) -> None:
     idle = r"has none open \(status IDLE\): call it inside handle\(\)"
     with (
