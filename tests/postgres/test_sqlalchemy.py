@@ -9,6 +9,9 @@ the same session in real workers.
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +33,7 @@ from dedupworker import (
 )
 from dedupworker.sqlalchemy import session
 from examples.sqlalchemy_balances import QUEUE, Base, Payment, apply, engine_for, take_payment
+from tests.conftest import ROOT
 from tests.support.loops import run_loop
 
 pytestmark = [pytest.mark.postgres]
@@ -160,6 +164,48 @@ def test_an_enqueue_through_the_handlers_session_joins_the_workers_transaction(
     assert jobs(dsn) == []
     held.commit()
     assert jobs(dsn) == [b'{"payment_id":"p2","account_id":2,"amount":7}']
+
+
+def test_a_session_left_open_and_collected_keeps_what_it_flushed(
+    held: psycopg.Connection[Any], dsn: str
+) -> None:
+    orm = session(held)
+    apply(orm, P1)
+    orm.commit()
+    apply(orm, P1)
+    orm.flush()
+    apply(orm, P1)  # never flushed
+    del orm
+    gc.collect()  # its connection is collected: nothing is rolled back, reset or closed
+    assert still_locked(held, dsn)
+    held.commit()
+    assert balances(dsn) == {1: 10}
+
+
+FIRST_SESSION = """
+import sys, psycopg
+from dedupworker.sqlalchemy import session
+from examples.sqlalchemy_balances import Balance
+with psycopg.connect(sys.argv[1]) as conn:
+    conn.execute("INSERT INTO example_balances VALUES (1, 1)")
+    with session(conn) as orm:  # the process's first: its Engine reads the server's settings
+        orm.get(Balance, 1).balance += 1
+        orm.commit()
+    print(conn.info.transaction_status.name)
+"""
+
+
+def test_the_first_session_of_a_process_keeps_the_workers_transaction(dsn: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_SESSION, dsn],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "INTRANS", done.stderr
+    assert balances(dsn) == {1: 2}
 
 
 def test_a_session_needs_a_handlers_connection_in_its_transaction(dsn: str) -> None:
