@@ -31,7 +31,7 @@ from psycopg.pq import TransactionStatus
 from sqlalchemy import create_engine
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import ConnectionPoolEntry, Pool, PoolProxiedConnection
@@ -160,7 +160,7 @@ _engine: Engine | None = None
 _engine_made = threading.Lock()
 
 
-def engine() -> Engine:
+def _process_engine() -> Engine:
     """The process's Engine of lent connections (made on first use)."""
     global _engine  # noqa: PLW0603 - one per process, made lazily
     with _engine_made:
@@ -170,9 +170,9 @@ def engine() -> Engine:
         return _engine
 
 
-def _lend(conn: psycopg.Connection[Any]) -> Any:
+def _lend(conn: psycopg.Connection[Any]) -> Connection:
     """An SQLAlchemy Connection on `conn`, not yet begun (the Session begins it)."""
-    shared = _engine or engine()
+    shared = _engine or _process_engine()
     pool = shared.pool
     assert isinstance(pool, _LentConnections)
     pool.lending.conn = conn
