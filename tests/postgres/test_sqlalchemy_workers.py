@@ -89,6 +89,25 @@ def test_the_orm_balances_hold_on_the_batch_engine(dsn: str) -> None:
         assert conn.execute("SELECT count(*) FROM dedupworker.jobs").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("handler", ["SessionScopeOrm", "AsyncSessionScopeOrm"])
+def test_the_session_lock_engine_refuses_an_orm_session_saying_what_works(
+    dsn: str, handler: str
+) -> None:
+    with psycopg.connect(dsn) as conn:
+        enqueue(conn, QUEUE, [{"payment_id": "p1", "account_id": 1, "amount": 5}])
+    worker = cli(
+        "run", f"tests.support.sqlalchemy_handlers:{handler}", "--queue", QUEUE, "--drain",
+        env={"DEDUPWORKER_DSN": dsn},
+    )  # fmt: skip
+    assert worker.returncode == 0, worker.stderr
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT status, last_error FROM dedupworker.jobs").fetchall()
+    [(status, error)] = rows
+    assert status == "dead"
+    assert "lock_scope = 'transaction'" in error and "BatchHandler" in error, error
+    assert balances(dsn) == {}
+
+
 def test_a_payment_enqueued_through_a_session_is_taken_once_committed(dsn: str) -> None:
     tables(dsn)
     app = engine_for(dsn)

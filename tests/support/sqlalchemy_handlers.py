@@ -41,3 +41,15 @@ class CommitThenFail(ApplyPayment):
         super().handle(message, conn)
         if message.attempt == 1:
             raise RuntimeError("failed after session.commit()")
+
+
+class SessionScopeOrm(ApplyPayment):
+    """A session-scope handler asking for an ORM session: refused, the reason dead-lettered."""
+
+    lock_scope = "session"
+    max_attempts = 1
+
+
+class AsyncSessionScopeOrm(SessionScopeOrm):
+    async def handle(self, message: Message, conn: Any) -> None:  # type: ignore[override]
+        session(conn)
