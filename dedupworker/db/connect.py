@@ -14,6 +14,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from dedupworker.db import wire
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.wire import Rows
 from dedupworker.errors import DatabaseUnavailable
 from dedupworker.observe.outage import connect_outage
@@ -223,7 +224,7 @@ def _too_few_connections(dsn: str, size: int, timeout: float) -> str:
     )
 
 
-def give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:
+def give_back_broken(pool: CallConnections, conn: psycopg.Connection[Any]) -> None:
     """After an error: roll back whatever is open, and always return the connection."""
     if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
         with contextlib.suppress(Exception):
@@ -231,7 +232,7 @@ def give_back_broken(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -
     pool.putconn(conn)
 
 
-def give_back_rolled_back(pool: ConnectionPool[Any], conn: psycopg.Connection[Any]) -> None:
+def give_back_rolled_back(pool: CallConnections, conn: psycopg.Connection[Any]) -> None:
     """Roll back what `conn` holds (a claim made ahead) and return it to the pool; broken,
     returned all the same."""
     try:

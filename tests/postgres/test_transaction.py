@@ -551,3 +551,19 @@ def test_a_worker_on_an_older_schema_names_both_versions(dsn: str) -> None:
     with pytest.raises(SchemaMissing, match=f"at version 1 and this version needs {needed}"):
         worker.setup()
     worker.close()
+
+
+def test_a_handler_that_commits_fails_and_its_settlement_commits_on_its_own(
+    runner: Runner, conn: psycopg.Connection[Any]
+) -> None:
+    """The worker steps with `ahead`: the settlement must not chain a claim to a COMMIT that
+    has no transaction (it failed, and the message came back for ever)."""
+    enqueue(conn, "q", [{"entity": 7, "do": "commit"}, {"entity": 8}])
+    assert runner.step(ahead=True) is True
+    assert runner.stats == {"retried": 1}
+    assert runner.step(ahead=True) is True
+    runner.release()
+    assert runner.stats == {"retried": 1, "succeeded": 1}
+    failed = job(conn)
+    assert failed["attempts"] == 1 and failed["status"] == "ready"
+    assert "ended the worker's transaction" in failed["last_error"]

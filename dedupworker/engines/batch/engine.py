@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from dedupworker.db.calls import CallConnections, for_calls
 from dedupworker.db.wire import Batch
 from dedupworker.decide import outcomes
 from dedupworker.decide.keys import INT4_MAX, INT4_MIN
@@ -63,7 +64,8 @@ class BatchEngine:
         self.recorder = Recorder(handler, transport, observe, engine="batch")
         self.hot = self.recorder.hot
         self.size = handler.batch_size
-        self.source = source_for(transport, handler, pool, threads)
+        self.connections = for_calls(pool)  # the pool's, or an integration's (dedupworker.db.calls)
+        self.source = source_for(transport, handler, self.connections, threads)
         self._mode = handler.lock_key_mode
         self._shaped = not handler.lock_shape.plain  # docs/lock-shapes.md
         self._splits = metrics.BATCH_SPLIT_CALLS.labels(handler.name)
@@ -237,7 +239,8 @@ class BatchEngine:
             self._fresh_savepoint(call, conn)
         deliveries = call.deliveries
         try:
-            self.handler.handle_batch([deliveries[i].message for i in ordinals], conn)
+            with self.connections.running(conn):
+                self.handler.handle_batch([deliveries[i].message for i in ordinals], conn)
             check_transaction(conn)
         except Exception as exc:
             if conn.broken or conn.closed:
@@ -268,7 +271,7 @@ class BatchEngine:
 
 
 def source_for(
-    transport: Transport, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+    transport: Transport, handler: BatchHandler, pool: CallConnections, threads: int
 ) -> BatchSource:
     """The source's own batches (the postgres queue, claimed by `threads` handler threads), or
     received messages'."""

@@ -17,9 +17,9 @@ import itertools
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
 from dedupworker.db import sql
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.outcomes import Verdict
@@ -179,7 +179,7 @@ class ReceivedBatches:
     message's outcome out (a crash between the two redelivers messages whose effects committed,
     which the ledger acknowledges as duplicates)."""
 
-    def __init__(self, transport: Receives, handler: BatchHandler, pool: ConnectionPool[Any]):
+    def __init__(self, transport: Receives, handler: BatchHandler, pool: CallConnections):
         self.transport = transport
         self.many = transport if isinstance(transport, ReceivesMany) else None
         self.pool = pool
@@ -253,5 +253,5 @@ class ClaimsBatches(Protocol):
     the batch's transaction (see transports/postgres/batch.py)."""
 
     def batch_claims(
-        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+        self, handler: BatchHandler, pool: CallConnections, threads: int
     ) -> BatchSource: ...

@@ -19,6 +19,7 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
+from dedupworker.db.calls import CallConnections, for_calls
 from dedupworker.decide import outcomes
 from dedupworker.decide.turns import LocalTurns
 from dedupworker.engines.common import check_transaction
@@ -45,11 +46,12 @@ class Runner:
         self.handler = handler
         self.transport = transport
         self.pool = pool
+        self.connections = for_calls(pool)  # the pool's, or an integration's (dedupworker.db.calls)
         self.recorder = Recorder(handler, transport, observe)
         self.hot = self.recorder.hot
         self.turns = LocalTurns()  # for shapes of one call at a time per entity
         self.shape = handler.lock_shape
-        self.transactions = source_for(transport, handler, pool)
+        self.transactions = source_for(transport, handler, self.connections)
 
     @property
     def stats(self) -> collections.Counter[str]:
@@ -129,9 +131,10 @@ class Runner:
         handler, message, conn = self.handler, call.delivery.message, call.conn
         assert conn is not None
         try:
-            if not handler.may_run(message, conn):
-                return outcomes.on_contended(handler, call.delivery)
-            handler.handle(message, conn)
+            with self.connections.running(conn):
+                if not handler.may_run(message, conn):
+                    return outcomes.on_contended(handler, call.delivery)
+                handler.handle(message, conn)
             check_transaction(conn)
         except Exception as exc:
             if conn.broken or conn.closed:
@@ -140,7 +143,7 @@ class Runner:
         return outcomes.on_success(dedup_key)
 
 
-def source_for(transport: Transport, handler: Handler, pool: ConnectionPool[Any]) -> Transactions:
+def source_for(transport: Transport, handler: Handler, pool: CallConnections) -> Transactions:
     """The source's own transactions (the postgres queue), or a received message's."""
     if isinstance(transport, OpensTransactions):
         return transport.transactions(handler, pool)

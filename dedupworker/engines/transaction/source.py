@@ -10,11 +10,10 @@ handler's writes is in the transaction.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
-
-from psycopg_pool import ConnectionPool
+from typing import Protocol, runtime_checkable
 
 from dedupworker.db import sql
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.wire import Batch
 from dedupworker.decide.keys import LockKey
@@ -27,7 +26,7 @@ from dedupworker.transport import Receives
 
 
 class ReceivedTransactions:
-    def __init__(self, transport: Receives, handler: Handler, pool: ConnectionPool[Any]) -> None:
+    def __init__(self, transport: Receives, handler: Handler, pool: CallConnections) -> None:
         self.transport = transport
         self.pool = pool
         self._scope = handler.ledger_scope
@@ -86,4 +85,4 @@ class OpensTransactions(Protocol):
     itself (the claim is part of it) and settles inside it (see
     transports/postgres/transaction.py)."""
 
-    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> Transactions: ...
+    def transactions(self, handler: Handler, pool: CallConnections) -> Transactions: ...

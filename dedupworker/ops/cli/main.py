@@ -318,6 +318,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     from dedupworker.observe.logs import setup_logging
 
+    try:
+        _django_project()
+    except ConfigurationError as exc:
+        print(f"dedupworker: configuration error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
@@ -338,6 +343,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A worker says what its second Ctrl-C cut off; elsewhere Ctrl-C just stops the command.
         print(f"dedupworker: {exc or 'interrupted'}", file=sys.stderr)
         return 130
+
+
+def _django_project() -> None:
+    """With DJANGO_SETTINGS_MODULE set, Django is set up before any handler is imported and
+    the DSN defaults to Django's database (docs/django.md)."""
+    if not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return
+    try:
+        from dedupworker.django.cli import setup
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"DJANGO_SETTINGS_MODULE is set but Django cannot be imported ({exc}): pip install "
+            "'dedupworker[django]', or unset DJANGO_SETTINGS_MODULE for a worker without Django"
+        ) from None
+    setup()
 
 
 def _reader_gone() -> int:

@@ -22,9 +22,9 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
 from dedupworker.db import sql
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.settle import carry_out_many
@@ -75,7 +75,7 @@ class ClaimedBatches:
         self,
         queue: Jobs,
         handler: BatchHandler,
-        pool: ConnectionPool[Any],
+        pool: CallConnections,
         threads: int,
     ) -> None:
         self.queue = queue

@@ -14,6 +14,7 @@ from psycopg_pool import ConnectionPool
 
 from dedupworker.config import WorkerConfig
 from dedupworker.db import order, sql
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import connection_kwargs
 from dedupworker.db.wire import Executor, Rows
 from dedupworker.decide.keys import normalize_entity
@@ -66,7 +67,7 @@ class PostgresTransport:
             )
             self._listener.start()
 
-    def transactions(self, handler: Handler, pool: ConnectionPool[Any]) -> ClaimedTransactions:
+    def transactions(self, handler: Handler, pool: CallConnections) -> ClaimedTransactions:
         """Each message's transaction, opened by its claim
         (engines.transaction.source.OpensTransactions)."""
         return ClaimedTransactions(self, handler, pool)
@@ -81,7 +82,7 @@ class PostgresTransport:
         return ClaimedSessionCalls(self)
 
     def batch_claims(
-        self, handler: BatchHandler, pool: ConnectionPool[Any], threads: int
+        self, handler: BatchHandler, pool: CallConnections, threads: int
     ) -> BatchSource:
         """Jobs claimed many at a time by `threads` handler threads, for the batch engine
         (engines.batch.source.ClaimsBatches)."""

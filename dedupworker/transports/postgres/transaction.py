@@ -22,9 +22,9 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
 from dedupworker.db import sql
+from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import fetch_flag, give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
@@ -87,7 +87,7 @@ class Claimed(Call):
 class ClaimedTransactions:
     """`dedupworker.engines.seams.Transactions` for the postgres queue."""
 
-    def __init__(self, queue: Jobs, handler: Handler, pool: ConnectionPool[Any]) -> None:
+    def __init__(self, queue: Jobs, handler: Handler, pool: CallConnections) -> None:
         self.queue = queue
         self.pool = pool
         self.handler = handler
@@ -167,9 +167,14 @@ class ClaimedTransactions:
         if call.met_busy:
             self._thread.crowded_until = time.monotonic() + CROWDED_FOR
         settle = Batch(conn)
+        # handle() ended the transaction itself (its failure says so): the settlement opens one
+        # of its own, or its COMMIT AND CHAIN would fail and the message come back for ever.
+        ended = conn.pgconn.transaction_status not in OPEN
+        if ended:
+            settle.execute("BEGIN")
         if verdict.record is not None:
             settle.execute(sql.DEDUP_RECORD, (self._scope, verdict.record))
-        if call.savepoint and conn.pgconn.transaction_status in OPEN:
+        if call.savepoint and not ended:
             _end_savepoint(settle, keep=verdict.outcome in _KEPT)
         carry_out(self.queue, call.delivery, verdict, settle)
         if self._after_settle:
