@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 
 from dedupworker.db import sql
 from dedupworker.message import Message
+from dedupworker.observe import tracing
 from dedupworker.producer import BATCH_SIZE, encode_body
 
 # The job header naming a delivery's endpoint, indexed for the ordering check.
@@ -89,11 +90,13 @@ def enqueue_deliveries(
         raise ValueError("queue must be a non-empty string")
     webhooks = [d if isinstance(d, Webhook) else Webhook.from_json(dict(d)) for d in deliveries]
     ids: list[int] = []
+    carried: dict[str, str] = {}
+    tracing.outgoing(carried)  # the current trace context, when tracing is on
     with conn.transaction() if conn.autocommit else contextlib.nullcontext():
         for start in range(0, len(webhooks), BATCH_SIZE):
             batch = webhooks[start : start + BATCH_SIZE]
             bodies = [encode_body(w.as_json()) for w in batch]
-            headers = [Jsonb({ENDPOINT_HEADER: w.endpoint_id}) for w in batch]
+            headers = [Jsonb({**carried, ENDPOINT_HEADER: w.endpoint_id}) for w in batch]
             entities = [None] * len(batch)
             rows = conn.execute(sql.ENQUEUE, (queue, 0.0, bodies, headers, entities)).fetchall()
             ids += [row[0] for row in rows]

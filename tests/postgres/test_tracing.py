@@ -5,6 +5,7 @@ over OTLP/HTTP from the standard environment."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import sys
@@ -17,8 +18,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.trace import StatusCode
 
-from dedupworker import WorkerConfig, enqueue
+from dedupworker import Worker, WorkerConfig, enqueue
 from dedupworker.observe import tracing
+from dedupworker.webhooks import add_endpoint, enqueue_deliveries
+from dedupworker.webhooks.async_sending import AsyncSender
 from tests.conftest import ROOT, cli
 from tests.support.tracing import (
     ENGINES,
@@ -35,6 +38,8 @@ from tests.support.tracing import (
     traced,
     wait_for,
 )
+from tests.support.webhook_handlers import QuickDelivery
+from tests.support.webhook_server import WebhookServer
 
 pytestmark = pytest.mark.postgres
 
@@ -128,6 +133,43 @@ def test_a_retry_starts_its_own_trace_linked_to_the_producer(
     assert retry.parent is None
     assert retry.context.trace_id != producer.trace_id
     assert linked(retry) == [(producer.trace_id, producer.span_id)]
+
+
+def test_a_webhook_request_carries_its_calls_context(
+    dsn: str,
+    conn: psycopg.Connection[Any],
+    traces: Traces,
+) -> None:
+    with WebhookServer() as server:
+        add_endpoint(conn, "ep", server.url("ep"))
+        with traces.producing() as producer:
+            body = {"delivery_id": "d-1", "endpoint_id": "ep", "payload": {"n": 1}}
+            enqueue_deliveries(conn, "webhooks", [body])
+        config = WorkerConfig(dsn=dsn, queue="webhooks", drain=True, poll_interval=0.05)
+        assert Worker([QuickDelivery()], config).run() == 0
+        [request] = server.received("ep")
+    [span] = traces.calls("succeeded")
+    assert span.context is not None and parent_of(span) == producer.span_id
+    call = f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-"
+    assert request.headers["traceparent"].startswith(call)
+
+
+def test_the_asyncio_sender_carries_the_current_context(traces: Traces) -> None:
+    """SessionWebhookDelivery's client (its deliveries through a worker: the test above)."""
+
+    async def post(url: str) -> None:
+        sender = AsyncSender(5.0, 10.0, 1024, 4)
+        try:
+            assert (await sender.post(url, b"{}", {"webhook-id": "d-1"})).status == 200
+        finally:
+            await sender.aclose()
+
+    with WebhookServer() as server, traces.producing() as current:
+        asyncio.run(post(server.url("ep")))
+        [request] = server.received("ep")
+    expected = f"00-{current.trace_id:032x}-{current.span_id:016x}-"
+    assert request.headers["traceparent"].startswith(expected)
+    assert request.headers["webhook-id"] == "d-1"
 
 
 def test_tracing_off_costs_nothing_visible(conn: psycopg.Connection[Any]) -> None:
