@@ -159,6 +159,10 @@ def test_handlers_that_misuse_djangos_transactions_get_errors_naming_the_fix(
     queues = [*MISUSES, "savepoints"]
     for n, queue in enumerate(queues):
         dedupworker.django.enqueue(queue, [{"payment_id": queue, "account_id": 200 + n}])
+    # The next message on the same thread and connection runs with Django's state sound again.
+    dedupworker.django.enqueue(
+        "leaves_atomic", [{"payment_id": "next", "account_id": 220, "misuse": False}]
+    )
     handlers = [
         f"tests.support.django_handlers:{name}"
         for name in (
@@ -190,7 +194,7 @@ def test_handlers_that_misuse_djangos_transactions_get_errors_naming_the_fix(
         django_dsn,
         "SELECT payment_id FROM accounts_entry WHERE account_id >= 200 ORDER BY payment_id",
     )
-    assert credited == [("raw_commit",), ("savepoints",)]
+    assert credited == [("next",), ("raw_commit",), ("savepoints",)]
     assert rows(django_dsn, "SELECT count(*) FROM accounts_entry WHERE payment_id = 'dup'") == [
         (0,)
     ]
