@@ -51,8 +51,7 @@ class LeavesAtomicOpen(_Once):
     queue = "leaves_atomic"
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
-        if message.json().get("misuse", True):
-            transaction.atomic().__enter__()
+        transaction.atomic().__enter__()
         self.credit(message)
 
 
