@@ -165,14 +165,20 @@ def _process_engine() -> Engine:
     global _engine  # noqa: PLW0603 - one per process, made lazily
     with _engine_made:
         if _engine is None:
-            registry.register("postgresql.dedupworker", __name__, "_WorkerDialect")
-            _engine = create_engine("postgresql+dedupworker://", pool=_LentConnections())
+            _engine = _make_engine()
         return _engine
 
 
-def _lend(conn: psycopg.Connection[Any]) -> Connection:
+def _make_engine() -> Engine:
+    """An Engine of lent connections; its dialect reads the server's settings on its first loan
+    (a few round trips: bench/sqlalchemy_session.py's "engine per call")."""
+    registry.register("postgresql.dedupworker", __name__, "_WorkerDialect")
+    return create_engine("postgresql+dedupworker://", pool=_LentConnections())
+
+
+def _lend(conn: psycopg.Connection[Any], engine: Engine | None = None) -> Connection:
     """An SQLAlchemy Connection on `conn`, not yet begun (the Session begins it)."""
-    shared = _engine or _process_engine()
+    shared = engine or _engine or _process_engine()
     pool = shared.pool
     assert isinstance(pool, _LentConnections)
     pool.lending.conn = conn

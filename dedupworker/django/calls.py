@@ -84,13 +84,18 @@ class DjangoCalls:
         wrapper = connections[self.alias]
         try:
             yield
+            _check_left(wrapper)
         except TransactionManagementError as exc:
             raise HandlerBrokeTransaction(_refused(str(exc))) from exc
         except RuntimeError as exc:
             if _DURABLE not in str(exc):
                 raise
             raise HandlerBrokeTransaction(_DURABLE_IN_HANDLER) from exc
-        _check_left(wrapper)
+        finally:
+            # What the handler left goes: the engine rolls its writes back to its own
+            # savepoint, and the next call (a batch's next half, the message claimed with
+            # this one's COMMIT) starts from Django's view of a fresh transaction.
+            _enter(wrapper)
 
 
 def _enter(wrapper: BaseDatabaseWrapper) -> None:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -159,6 +160,10 @@ def test_handlers_that_misuse_djangos_transactions_get_errors_naming_the_fix(
     queues = [*MISUSES, "savepoints"]
     for n, queue in enumerate(queues):
         dedupworker.django.enqueue(queue, [{"payment_id": queue, "account_id": 200 + n}])
+    # The next message on the same thread and connection runs with Django's state sound again.
+    dedupworker.django.enqueue(
+        "leaves_atomic", [{"payment_id": "next", "account_id": 220, "misuse": False}]
+    )
     handlers = [
         f"tests.support.django_handlers:{name}"
         for name in (
@@ -190,7 +195,7 @@ def test_handlers_that_misuse_djangos_transactions_get_errors_naming_the_fix(
         django_dsn,
         "SELECT payment_id FROM accounts_entry WHERE account_id >= 200 ORDER BY payment_id",
     )
-    assert credited == [("raw_commit",), ("savepoints",)]
+    assert credited == [("next",), ("raw_commit",), ("savepoints",)]
     assert rows(django_dsn, "SELECT count(*) FROM accounts_entry WHERE payment_id = 'dup'") == [
         (0,)
     ]
@@ -355,3 +360,94 @@ def test_a_dsn_of_another_database_than_djangos_is_refused(django_dsn: str, dsn:
     assert ran.returncode == 2, ran.stderr
     assert "are not the same database" in ran.stderr
     assert "Leave --dsn out under manage.py" in ran.stderr
+
+
+def settings_module(tmp_path: Path, name: str, text: str) -> dict[str, str]:
+    """A settings module of the example's, changed by `text`: the environment naming it."""
+    (tmp_path / f"{name}.py").write_text(
+        f"from ledger_site.settings import *  # noqa: F403\n{text}"
+    )
+    env = {"DJANGO_SETTINGS_MODULE": name}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(PROJECT), str(ROOT)])
+    return env
+
+
+def test_without_the_app_in_installed_apps_the_worker_refuses_to_start(
+    django_dsn: str, tmp_path: Path
+) -> None:
+    env = settings_module(tmp_path, "no_app", 'INSTALLED_APPS = ["accounts"]\n')
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dedupworker",
+            "run",
+            "accounts.handlers:ApplyPayment",
+            "--queue",
+            "no_app",
+            "--drain",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT,
+        timeout=180,
+        check=False,
+        env={**project_env(django_dsn), **env},
+    )
+    assert ran.returncode == 2, ran.stderr
+    assert "'dedupworker.django' is not in INSTALLED_APPS of no_app: add it" in ran.stderr
+
+
+def test_conn_max_age_0_closes_djangos_connection_once_a_thread_is_idle(
+    django_dsn: str, tmp_path: Path
+) -> None:
+    """Django's rules apply when the worker gives the connection back: with CONN_MAX_AGE=0 a
+    handler thread's connection is closed as soon as the thread has no message in hand."""
+    import dedupworker.django
+
+    env = settings_module(tmp_path, "max_age_0", MAX_AGE_0)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dedupworker",
+            "run",
+            "accounts.handlers:ApplyPayment",
+            "--queue",
+            "max_age",
+            "--concurrency",
+            "1",
+        ],
+        cwd=PROJECT,
+        env={**project_env(django_dsn), **env},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_start(worker)
+        dedupworker.django.enqueue(
+            "max_age", [{"payment_id": "a1", "account_id": 800, "amount": 5}]
+        )
+        _wait_until(lambda: balances(django_dsn, range(800, 801)) == {800: 5})
+        _wait_until(lambda: djangos_worker_connections(django_dsn) == 0)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, errors = worker.communicate(timeout=60)
+    assert worker.returncode == 0, errors
+
+
+MAX_AGE_0 = """
+DATABASES["default"] = {
+    **DATABASES["default"],
+    "CONN_MAX_AGE": 0,
+    "OPTIONS": {"application_name": "ledger_site_worker"},
+}
+"""
+
+
+def djangos_worker_connections(dsn: str) -> int:
+    found = rows(
+        dsn,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'ledger_site_worker'",
+    )
+    return int(found[0][0])

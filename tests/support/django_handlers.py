@@ -51,7 +51,8 @@ class LeavesAtomicOpen(_Once):
     queue = "leaves_atomic"
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
-        transaction.atomic().__enter__()
+        if message.json().get("misuse", True):
+            transaction.atomic().__enter__()
         self.credit(message)
 
 
