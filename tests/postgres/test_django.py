@@ -138,8 +138,10 @@ def test_manage_py_runs_the_cli_and_orm_writes_commit_with_each_message(django_d
     assert balances(django_dsn, range(100, 103)) == expected
     entries = rows(django_dsn, "SELECT count(*) FROM accounts_entry WHERE payment_id LIKE 'm%%'")
     assert entries == [(30,)]
-    dead = rows(django_dsn, "SELECT last_error FROM dedupworker.jobs WHERE queue = 'orm'")
-    assert len(dead) == 1 and "amount must be positive" in dead[0][0]
+    listed = manage(django_dsn, "dedupworker", "dead", "list", "--queue", "orm", "--json")
+    assert listed.returncode == 0, listed.stderr
+    dead = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert len(dead) == 1 and "amount must be positive" in json.dumps(dead[0])
 
 
 MISUSES = {
