@@ -31,8 +31,17 @@ from dedupworker import (
     enqueue,
     enqueue_async,
 )
+from dedupworker.queues import set_queue
 from dedupworker.sqlalchemy import session
-from examples.sqlalchemy_balances import QUEUE, Base, Payment, apply, engine_for, take_payment
+from examples.sqlalchemy_balances import (
+    QUEUE,
+    ApplyPayment,
+    Base,
+    Payment,
+    apply,
+    engine_for,
+    take_payment,
+)
 from tests.conftest import ROOT
 from tests.support.loops import run_loop
 
@@ -184,6 +193,7 @@ def test_a_session_left_open_and_collected_keeps_what_it_flushed(
 
 FIRST_SESSION = """
 import sys, psycopg
+from dedupworker.queues import set_queue
 from dedupworker.sqlalchemy import session
 from examples.sqlalchemy_balances import Balance
 with psycopg.connect(sys.argv[1]) as conn:
@@ -323,6 +333,23 @@ def test_enqueue_async_on_sqlalchemy_commits_and_rolls_back_with_the_producers_w
     run_loop(produce)
     assert payment_ids(dsn) == ["p2"]
     assert [body[-2:] for body in jobs(dsn)] == [b"7}", b"5}"]
+
+
+def test_enqueue_async_stores_entities_and_meets_ordered_queues_as_enqueue_does(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    set_queue(conn, "lines", ordered=True)
+    entity = ApplyPayment().entity_id
+
+    async def produce() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as aconn:
+            await enqueue_async(aconn, "lines", [P1, P2], entity=entity)
+            with pytest.raises(ConfigurationError, match="needs its entity at enqueue"):
+                await enqueue_async(aconn, "lines", [P1])
+
+    run_loop(produce)
+    stored = conn.execute("SELECT entity FROM dedupworker.jobs ORDER BY id").fetchall()
+    assert stored == [(1,), (2,)]
 
 
 def test_each_enqueue_refuses_the_other_kind_naming_the_one_to_use(app: Engine, dsn: str) -> None:
