@@ -5,6 +5,7 @@ workers of a Django project's handler)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import django  # type: ignore[import-untyped]
 import psycopg
@@ -16,15 +17,16 @@ from dedupworker.errors import ConfigurationError
 APP = "dedupworker.django"
 
 
-def setup() -> None:
+def setup(argv: Sequence[str]) -> None:
     """Django set up from DJANGO_SETTINGS_MODULE, before any handler is imported."""
     django.setup()
-    prepare()
+    prepare(argv)
 
 
-def prepare() -> None:
+def prepare(argv: Sequence[str]) -> None:
     """The app installed (else handlers would write outside the worker's transaction), and
-    DEDUPWORKER_DSN defaulting to Django's database."""
+    DEDUPWORKER_DSN defaulting to Django's database, except for `demo` (`argv`: the command
+    line's words), whose private PostgreSQL keeps the demo off the project's database."""
     if not apps.is_installed(APP):
         raise ConfigurationError(
             f"{APP!r} is not in INSTALLED_APPS of {os.environ.get('DJANGO_SETTINGS_MODULE')}: "
@@ -33,7 +35,20 @@ def prepare() -> None:
         )
     from dedupworker.django import database_alias
 
-    os.environ.setdefault("DEDUPWORKER_DSN", dsn_of(database_alias()))
+    if _command(argv) != "demo":
+        os.environ.setdefault("DEDUPWORKER_DSN", dsn_of(database_alias()))
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command's name: the first word that is neither an option nor a logging option's
+    value."""
+    words = iter(argv)
+    for word in words:
+        if word in ("--log-level", "--log-format"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def dsn_of(alias: str) -> str:

@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dedupworker.observe.logs import setup_logging
 
     try:
-        _django_project()
+        _django_project(sys.argv[1:] if argv is None else argv)
     except ConfigurationError as exc:
         print(f"dedupworker: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _django_project() -> None:
+def _django_project(argv: Sequence[str]) -> None:
     """With DJANGO_SETTINGS_MODULE set, Django is set up before any handler is imported and
     the DSN defaults to Django's database (docs/django.md)."""
     if not os.environ.get("DJANGO_SETTINGS_MODULE"):
@@ -357,7 +357,7 @@ def _django_project() -> None:
             f"DJANGO_SETTINGS_MODULE is set but Django cannot be imported ({exc}): pip install "
             "'dedupworker[django]', or unset DJANGO_SETTINGS_MODULE for a worker without Django"
         ) from None
-    setup()
+    setup(argv)
 
 
 def _reader_gone() -> int:

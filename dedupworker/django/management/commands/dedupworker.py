@@ -23,7 +23,7 @@ class Command(BaseCommand):  # type: ignore[misc]
     def run_from_argv(self, argv: list[str]) -> None:
         """Everything after `manage.py dedupworker` goes to dedupworker's own parser."""
         try:
-            cli.prepare()
+            cli.prepare(argv[2:])
         except ConfigurationError as exc:
             print(f"dedupworker: configuration error: {exc}", file=sys.stderr)
             sys.exit(2)
@@ -35,7 +35,7 @@ class Command(BaseCommand):  # type: ignore[misc]
     def handle(self, *args: Any, **options: Any) -> None:
         """Through call_command("dedupworker", "run", ...): the same, `args` as the command
         line; a status other than 0 raises CommandError."""
-        cli.prepare()
+        cli.prepare(args)
         code = main(list(args))
         if code:
             raise CommandError(f"dedupworker {' '.join(args)} exited with status {code}")
