@@ -12,10 +12,10 @@ from psycopg.types.json import Jsonb
 
 from dedupworker.config import check_queue_name
 from dedupworker.db import sql
+from dedupworker.db.joined import AsyncJoinable, Joinable, async_connection, sync_connection
 from dedupworker.decide.keys import InvalidEntity, normalize_entity
 from dedupworker.decide.shapes import entities_of
 from dedupworker.errors import ConfigurationError
-from dedupworker.joined import AsyncJoinable, Joinable, async_connection, sync_connection
 from dedupworker.message import Message
 from dedupworker.observe import tracing
 
