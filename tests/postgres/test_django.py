@@ -18,96 +18,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
-from dedupworker.db import calls
 from dedupworker.dev.embedded import LocalPostgres
-from tests.conftest import ROOT, TEMPLATE, clean_env, with_db
+from tests.conftest import ROOT
+from tests.support.django_project import (
+    PROJECT,
+    balances,
+    manage,
+    project_database,
+    project_env,
+    rows,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
 
-PROJECT = ROOT / "examples" / "django_project"
-SETTINGS = "ledger_site.settings"
 WAIT = 60.0  # seconds a worker gets to take a job; only a bound on failure
-
-
-def project_env(dsn: str) -> dict[str, str]:
-    return {
-        **clean_env(),
-        "DATABASE_URL": dsn,
-        "DJANGO_SETTINGS_MODULE": SETTINGS,
-        "PYTHONPATH": os.pathsep.join([str(PROJECT), str(ROOT)]),
-    }
-
-
-def manage(dsn: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`python manage.py ARGS` in the example project, on `dsn`."""
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        cwd=PROJECT,
-        env=project_env(dsn),
-        timeout=180,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")
 def django_dsn(pg_server: LocalPostgres) -> Iterator[str]:
-    name = f"django_{os.getpid()}"
-    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
-    dsn = with_db(pg_server.dsn, name)
-    migrated = manage(dsn, "migrate")
-    assert migrated.returncode == 0, migrated.stderr
-    with _django_in_this_process(dsn):
+    with project_database(pg_server.dsn, f"django_{os.getpid()}") as dsn:
         yield dsn
-    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
-
-
-class _django_in_this_process:
-    def __init__(self, dsn: str) -> None:
-        # The kit's workers import the settings as this process does: from the project.
-        path = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
-        self.env = {"DATABASE_URL": dsn, "DJANGO_SETTINGS_MODULE": SETTINGS, "PYTHONPATH": path}
-        self.saved = {key: os.environ.get(key) for key in self.env}
-
-    def __enter__(self) -> None:
-        import django
-
-        os.environ.update(self.env)  # read by the settings, and by the kit's workers
-        sys.path.insert(0, str(PROJECT))
-        django.setup()
-        calls.installed = None  # this process's in-process engines keep their pool
-
-    def __exit__(self, *exc: object) -> None:
-        from django.db import connections
-
-        connections.close_all()
-        sys.path.remove(str(PROJECT))
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute(query, params).fetchall()
-
-
-def balances(dsn: str, accounts: range) -> dict[int, int]:
-    found = rows(
-        dsn,
-        "SELECT account_id, balance FROM accounts_balance WHERE account_id = ANY(%s)",
-        list(accounts),
-    )
-    return dict(found)
 
 
 def test_manage_py_runs_the_cli_and_orm_writes_commit_with_each_message(django_dsn: str) -> None:
