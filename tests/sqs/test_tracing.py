@@ -23,6 +23,7 @@ from tests.support.tracing import (
     parent_of,
     serving,
     traced,
+    traceparent_of,
     wait_for,
 )
 
@@ -81,3 +82,19 @@ def test_a_retrys_copy_keeps_the_producers_context(
     assert attributes(retry)["dedupworker.attempt"] == 2
     assert retry.parent is None
     assert linked(retry) == [(producer.trace_id, producer.span_id)]
+
+
+def test_a_dead_letter_keeps_the_producers_context(
+    dsn: str, source: SqsSource, traces: Traces
+) -> None:
+    with traces.producing() as producer:
+        send(source, entity=4, reject=True)
+    with serving(TracedCall(traces), config(dsn, source)):
+        wait_for(lambda: traces.calls("dead_lettered"), "the dead letter")
+    [span] = traces.calls("dead_lettered")
+    assert parent_of(span) == producer.span_id
+    [dead] = source.client.receive_message(
+        QueueUrl=source.dead_letter, WaitTimeSeconds=5, MessageAttributeNames=["All"]
+    )["Messages"]
+    carried = dead["MessageAttributes"]["traceparent"]["StringValue"]
+    assert carried.startswith(traceparent_of(producer))

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, SpanKind
 
-from dedupworker import BatchHandler, Handler, Message, Worker, WorkerConfig, otel
+from dedupworker import BatchHandler, Handler, Message, Reject, Worker, WorkerConfig, otel
 from dedupworker.engines.session.connection import AsyncCallConnection, CallConnection
 
 NAMESPACE = 41
@@ -128,8 +128,8 @@ def body_of(message: Message) -> dict[str, Any]:
 
 
 class _Traced:
-    """What every traced handler shares: its entity, a span of its own per call, and a first
-    attempt that fails for a body with "fail_first"."""
+    """What every traced handler shares: its entity, a span of its own per call, a first
+    attempt that fails for a body with "fail_first", a rejection for one with "reject"."""
 
     lock_namespace = NAMESPACE
     max_attempts = 3
@@ -148,6 +148,8 @@ class _Traced:
             pass
         if body_of(message).get("fail_first") and message.attempt == 1:
             raise RuntimeError("the first attempt fails")
+        if body_of(message).get("reject"):
+            raise Reject("rejected for the test")
 
 
 class TracedCall(_Traced, Handler):
@@ -258,3 +260,8 @@ def check_engine(
         check_call_span(traces, span, producer, system, destination)
         assert found["dedupworker.outcome"] == "succeeded"
     return span
+
+
+def traceparent_of(producer: SpanContext) -> str:
+    """The start of the `traceparent` a message sent in `producer` carries (flags aside)."""
+    return f"00-{producer.trace_id:032x}-{producer.span_id:016x}-"
