@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+import psycopg
 from django.conf import settings  # type: ignore[import-untyped]
 from django.db import DEFAULT_DB_ALIAS, connections  # type: ignore[import-untyped]
 
 from dedupworker import producer
+from dedupworker.errors import ConfigurationError
 from dedupworker.message import Message
 
 __all__ = ["database_alias", "enqueue"]
@@ -39,8 +41,14 @@ def enqueue(
     inside `transaction.atomic()` the jobs join its transaction (rolled back: nothing was
     enqueued; committed: the workers are woken at the commit), as they do inside a handler;
     outside, they commit at once, as Django's autocommit does. Returns the job ids."""
-    wrapper = connections[using or database_alias()]
+    alias = using or database_alias()
+    wrapper = connections[alias]
     wrapper.ensure_connection()
+    if not isinstance(wrapper.connection, psycopg.Connection):
+        raise ConfigurationError(
+            f"DATABASES[{alias!r}] is not PostgreSQL through psycopg 3: enqueue on the alias "
+            "of the workers' database (using=..., or the setting DEDUPWORKER_DATABASE)"
+        )
     wrapper.validate_no_broken_transaction()  # Django's own refusal after a failed statement
     return producer.enqueue(
         wrapper.connection, queue, bodies, headers=headers, delay=delay, entity=entity
