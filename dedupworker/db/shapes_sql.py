@@ -14,9 +14,11 @@ releases every transaction-level lock taken inside it (PostgreSQL releases a loc
 savepoint when the savepoint is rolled back to), and the answer is false. It takes no row lock
 and writes nothing: its subtransaction gets no transaction id.
 
-`dedupworker.try_json_entity_locks(...)`: the same for entities as a claim finds them with a
-job (a JSON array stored at enqueue, or hinted), so that a handler of another shape has its
-entities locked by its claim, in the claim's round trip.
+The engines' own statements compute the keys in the statement (`json_keys`, `array_keys`: the
+executor's expressions) and hand them to `dedupworker.try_entity_keys`, which only takes them:
+PL/pgSQL initializes each of its expressions again in every transaction, and a worker's
+transaction makes one call (a function that computed the keys itself cost 60 us a call of two
+entities: bench/README.md).
 """
 
 LOCK_SHAPES = """
@@ -28,10 +30,7 @@ CREATE FUNCTION dedupworker.slot_key(k int8, s int4) RETURNS int8
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$ SELECT CASE WHEN s = 0 THEN k ELSE hashtextextended(k::text || '#' || s::text, 0) END $fn$;
 
--- One entity's key `k` in its first free slot (of `lim`), in the handler's mode. Every function
--- below computes with PL/pgSQL expressions only, never a query: a query inside a function
--- starts an executor at each call (written with queries, a call of one entity took 5 times
--- the server time, of two entities 2.5 times: bench/README.md).
+-- One entity's key `k` in its first free slot (of `lim`), in the handler's mode.
 CREATE FUNCTION dedupworker.try_entity_slot(
     ns int4, k int8, wide boolean, lim int4, shared boolean
 ) RETURNS boolean
@@ -59,44 +58,32 @@ BEGIN
 END
 $fn$;
 
--- Every key of a call, sorted (insertion sort: a call has a few) and each tried once; NULL for
--- none. One key needs no subtransaction: a failure took nothing.
+-- Every key of a call (sorted, each once: the caller's), all or none; NULL for none. One key
+-- needs no subtransaction: a failure took nothing.
 CREATE FUNCTION dedupworker.try_entity_keys(
     ns int4, keys int8[], wide boolean, lim int4, shared boolean
 ) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    n int4 := coalesce(cardinality(keys), 0);
-    i int4;
-    j int4;
     k int8;
 BEGIN
-    IF n = 0 THEN
-        RETURN NULL;
-    END IF;
-    FOR i IN 2 .. n LOOP
-        k := keys[i];
-        j := i - 1;
-        WHILE j >= 1 AND keys[j] > k LOOP
-            keys[j + 1] := keys[j];
-            j := j - 1;
-        END LOOP;
-        keys[j + 1] := k;
-    END LOOP;
-    IF keys[1] = keys[n] THEN
-        RETURN dedupworker.try_entity_slot(ns, keys[1], wide, lim, shared);
-    END IF;
-    BEGIN
-        FOR i IN 1 .. n LOOP
-            CONTINUE WHEN i > 1 AND keys[i] = keys[i - 1];
-            IF NOT dedupworker.try_entity_slot(ns, keys[i], wide, lim, shared) THEN
-                RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
-            END IF;
-        END LOOP;
-    EXCEPTION WHEN lock_not_available THEN
-        RETURN false;  -- what it took went with the block's subtransaction
-    END;
-    RETURN true;
+    CASE coalesce(cardinality(keys), 0)
+        WHEN 0 THEN
+            RETURN NULL;
+        WHEN 1 THEN
+            RETURN dedupworker.try_entity_slot(ns, keys[1], wide, lim, shared);
+        ELSE
+            BEGIN
+                FOREACH k IN ARRAY keys LOOP
+                    IF NOT dedupworker.try_entity_slot(ns, k, wide, lim, shared) THEN
+                        RAISE EXCEPTION USING ERRCODE = 'lock_not_available';
+                    END IF;
+                END LOOP;
+            EXCEPTION WHEN lock_not_available THEN
+                RETURN false;  -- what it took went with the block's subtransaction
+            END;
+            RETURN true;
+    END CASE;
 END
 $fn$;
 
@@ -108,52 +95,14 @@ CREATE FUNCTION dedupworker.try_entity_locks(
     ns int4, nums int4[], texts text[], wide boolean, lim int4, shared boolean
 ) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $fn$
-DECLARE
-    keys int8[] := '{}';
-    i int4;
 BEGIN
-    FOR i IN 1 .. coalesce(greatest(cardinality(nums), cardinality(texts)), 0) LOOP
-        keys := keys || CASE WHEN wide THEN hashtextextended(texts[i], ns)
-                             WHEN nums[i] IS NOT NULL THEN nums[i]::int8
-                             ELSE hashtext(texts[i])::int8 END;
-    END LOOP;
-    RETURN dedupworker.try_entity_keys(ns, keys, wide, lim, shared);
-END
-$fn$;
-
--- The same for the entities a claim finds with the job (sql.CLAIM_LOCKING["shaped"]): stored at
--- enqueue or hinted, a JSON array of them (or one), each read as keys.normalize_entity does (a
--- number or the canonical decimal string of an int4 is that int4 key; in hash64 mode every
--- entity is its text). NULL for none.
-CREATE FUNCTION dedupworker.try_json_entity_locks(
-    ns int4, entities jsonb, wide boolean, lim int4, shared boolean
-) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $fn$
-DECLARE
-    keys int8[] := '{}';
-    e jsonb;
-    t text;
-    i int4;
-BEGIN
-    IF entities IS NULL THEN
-        RETURN NULL;
-    END IF;
-    IF jsonb_typeof(entities) <> 'array' THEN
-        entities := jsonb_build_array(entities);
-    END IF;
-    FOR i IN 0 .. jsonb_array_length(entities) - 1 LOOP
-        e := entities -> i;
-        t := e #>> '{}';
-        CONTINUE WHEN t IS NULL;
-        keys := keys || CASE
-            WHEN wide THEN hashtextextended(t, ns)
-            WHEN jsonb_typeof(e) = 'number' AND e::numeric BETWEEN -2147483648 AND 2147483647
-                 AND e::numeric = trunc(e::numeric) THEN (e::numeric)::int4::int8
-            WHEN jsonb_typeof(e) = 'string' AND t ~ '^(0|-?[1-9][0-9]{0,9})$'
-                 AND t::numeric BETWEEN -2147483648 AND 2147483647 THEN t::int4::int8
-            ELSE hashtext(t)::int8 END;
-    END LOOP;
-    RETURN dedupworker.try_entity_keys(ns, keys, wide, lim, shared);
+    RETURN dedupworker.try_entity_keys(
+        ns,
+        ARRAY(SELECT DISTINCT CASE WHEN wide THEN hashtextextended(t, ns)
+                                   WHEN n IS NOT NULL THEN n::int8
+                                   ELSE hashtext(t)::int8 END
+              FROM unnest(nums, texts) AS entity(n, t) ORDER BY 1),
+        wide, lim, shared);
 END
 $fn$;
 """
@@ -168,3 +117,44 @@ HINTS = """(
                      AS v
               FROM (SELECT %s::text AS pattern) AS asked
               WHERE pattern IS NOT NULL) AS found)"""
+
+
+def json_keys(entities: str) -> str:
+    """SQL: the lock keys (int8[], sorted, each once) of `entities`, an SQL expression of a
+    JSON entity or array of them as a claim finds them with a job (stored at enqueue, or
+    hinted), each read as keys.normalize_entity reads it (a number or the canonical decimal
+    string of an int4 is that key; in hash64 mode every entity is its text). Parameters: wide
+    (the hash64 key mode), the namespace."""
+    return f"""ARRAY(
+            SELECT DISTINCT CASE
+                WHEN %s::bool THEN hashtextextended(e #>> '{{}}', %s::int4)
+                WHEN jsonb_typeof(e) = 'number'
+                     AND e::numeric BETWEEN -2147483648 AND 2147483647
+                     AND e::numeric = trunc(e::numeric) THEN (e::numeric)::int8
+                WHEN jsonb_typeof(e) = 'string' AND e #>> '{{}}' ~ '^(0|-?[1-9][0-9]{{0,9}})$'
+                     AND (e #>> '{{}}')::numeric BETWEEN -2147483648 AND 2147483647
+                    THEN (e #>> '{{}}')::int8
+                ELSE hashtext(e #>> '{{}}')::int8 END
+            FROM jsonb_array_elements(CASE jsonb_typeof({entities}) WHEN 'array' THEN {entities}
+                                      ELSE jsonb_build_array({entities}) END) AS e
+            WHERE jsonb_typeof(e) <> 'null'
+            ORDER BY 1)"""
+
+
+# The same for entities a worker computed (decide/shapes.py): parameters wide, the namespace,
+# the int4 entities (NULL where not one), the others as text.
+ARRAY_KEYS = """ARRAY(
+    SELECT DISTINCT CASE WHEN %s::bool THEN hashtextextended(t, %s::int4)
+                         WHEN n IS NOT NULL THEN n::int8
+                         ELSE hashtext(t)::int8 END
+    FROM unnest(%s::int4[], %s::text[]) AS entity(n, t) ORDER BY 1)"""
+
+# Every entity of a call in its handler's shape, all or none: parameters the namespace, the
+# keys' (json_keys or ARRAY_KEYS), wide, entity_limit, shared.
+TRY_KEYS = "dedupworker.try_entity_keys(%s::int4, {keys}, %s::bool, %s::int4, %s::bool)"
+
+
+def try_keys_params(namespace: int, wide: bool, limit: int, shared: bool) -> tuple[int | bool, ...]:
+    """TRY_KEYS's parameters around json_keys's: the namespace, wide and the namespace (the
+    keys'), wide, entity_limit, shared."""
+    return (namespace, wide, namespace, wide, limit, shared)

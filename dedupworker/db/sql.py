@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dedupworker.db.shapes_sql import HINTS
+from dedupworker.db.shapes_sql import HINTS, TRY_KEYS, json_keys
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
@@ -126,9 +126,9 @@ _LOCKS = {
     # A handler of another lock shape (dedupworker.decide.shapes): every entity stored with the
     # job (a JSON array, or one) or hinted (shapes_sql.HINTS), in the handler's shape: its
     # namespace, whether its key mode is hash64, its entity_limit, whether shared.
-    "shaped": """CASE
+    "shaped": f"""CASE
            WHEN entity IS NULL THEN NULL
-           ELSE dedupworker.try_json_entity_locks(%s::int4, entity, %s::bool, %s::int4, %s::bool)
+           ELSE {TRY_KEYS.format(keys=json_keys("entity"))}
        END""",
 }
 # How a claim tries the entity given at enqueue: a key mode, or "shaped".
@@ -347,9 +347,9 @@ WHERE NOT pg_try_advisory_xact_lock(hashtextextended(txt, %s::int4))
     # A handler of another lock shape: each group's entities (a JSON array) all or none, in
     # the handler's shape (db/shapes_sql.py); a key this transaction holds already is taken
     # again (a later group of one of its entities).
-    "shaped": """
+    "shaped": f"""
 SELECT i FROM unnest(%s::jsonb[]) WITH ORDINALITY AS t(entities, i)
-WHERE NOT dedupworker.try_json_entity_locks(%s::int4, entities, %s::bool, %s::int4, %s::bool)
+WHERE NOT {TRY_KEYS.format(keys=json_keys("entities"))}
 """,
 }
 # The ledger look-up of a whole batch, after its locks, and its record, before its COMMIT.

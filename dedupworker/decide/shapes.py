@@ -9,7 +9,7 @@ A handler's shape comes from three class attributes:
   holder of it (readers beside writers).
 
 The default shape (one entity, limit 1, exclusive) keeps the statements of `keys.lock_key`. Any
-other is locked by `dedupworker.try_entity_locks` (migration 10, `db/shapes_sql.py`) in one
+other is locked by `dedupworker.try_entity_keys` (migration 10, `db/shapes_sql.py`) in one
 statement: the keys in one order for every caller, each entity in its first free slot, and on
 the first key it cannot take, every key it took released again (its subtransaction rolls
 back): a call never holds part of its entities, and two calls never wait on each other.
@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from dedupworker.db.shapes_sql import ARRAY_KEYS, TRY_KEYS
 from dedupworker.decide.keys import (
     KeyMode,
     LockKey,
@@ -38,10 +39,7 @@ MAX_ENTITIES = 32
 # Slots of one entity: a call tries them one by one, so a limit costs a try per slot in use.
 MAX_LIMIT = 64
 
-_TRY_ENTITY_LOCKS = (
-    "SELECT dedupworker.try_entity_locks("
-    "%s::int4, %s::int4[], %s::text[], %s::bool, %s::int4, %s::bool)"
-)
+_TRY_ENTITY_LOCKS = "SELECT " + TRY_KEYS.format(keys=ARRAY_KEYS)
 
 
 class ShapeError(ValueError):
@@ -86,7 +84,8 @@ class LockShape:
         texts = tuple(
             None if n is not None else str(e) for n, e in zip(numbers, entities, strict=True)
         )
-        params = (self.namespace, numbers, texts, wide, self.limit, self.shared)
+        ns = self.namespace
+        params = (ns, wide, ns, numbers, texts, wide, self.limit, self.shared)
         return LockKey(self.namespace, entities[0], _TRY_ENTITY_LOCKS, params)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from dedupworker import enqueue
 from dedupworker.db import session_sql, sql
+from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.transports.postgres import session as session_claims
 from dedupworker.transports.postgres.hints import pattern_for
 
@@ -106,13 +107,23 @@ CLAIMS: dict[str, Claim] = {
     ),
     "CLAIM_LOCKING shaped (a handler of several entities), with entity hints": (
         sql.CLAIM_LOCKING["shaped"],
-        lambda ids: (QUEUE, ids.cursor, NS, False, 1, False, pattern_for(("entity", "other"))),
+        lambda ids: (
+            QUEUE,
+            ids.cursor,
+            *try_keys_params(NS, False, 1, False),
+            pattern_for(("entity", "other")),
+        ),
         (),
         10,
     ),
     "CLAIM_SKIPPING shaped (entity_limit 3), with an entity hint": (
         sql.CLAIM_SKIPPING["shaped"],
-        lambda ids: (QUEUE, QUEUE, NS, False, 3, False, *[pattern_for(("entity",))] * 2),
+        lambda ids: (
+            QUEUE,
+            QUEUE,
+            *try_keys_params(NS, False, 3, False),
+            *[pattern_for(("entity",))] * 2,
+        ),
         (),
         3 * sql.CLAIM_WINDOW,
     ),

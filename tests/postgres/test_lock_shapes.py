@@ -10,13 +10,16 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from dedupworker import ConfigurationError, enqueue
-from dedupworker.decide.shapes import LockShape
+from dedupworker.db.shapes_sql import TRY_KEYS, json_keys, try_keys_params
+from dedupworker.decide.keys import KeyMode
+from dedupworker.decide.shapes import LockShape, entities_of
 from dedupworker.testing.checking import check
 from dedupworker.testing.checking_shapes import (
     balances,
@@ -88,6 +91,45 @@ def test_several_entities_are_all_locked_or_none(conn: psycopg.Connection[Any], 
         b.rollback()
         assert try_shape(a, shape, 2, 2, 4)  # one lock per key
         assert {key for _, key, _ in held(a)} == {1, 2, 3, 4}
+
+
+def try_json(conn: psycopg.Connection[Any], shape: LockShape, entities: object) -> bool | None:
+    """What a claim does with the entities it finds with a job (JSON: stored or hinted)."""
+    lock = TRY_KEYS.format(keys=json_keys("entity"))
+    wide = shape.mode == "hash64"
+    params = (*try_keys_params(shape.namespace, wide, shape.limit, shape.shared), Jsonb(entities))
+    row = conn.execute(f"SELECT {lock} FROM (SELECT %s::jsonb AS entity) AS found", params)
+    return cast("tuple[bool | None]", row.fetchone())[0]
+
+
+@pytest.mark.parametrize("mode", ["int4", "hash64"])
+def test_a_claim_takes_the_keys_a_worker_takes_for_the_same_entities(
+    dsn: str, mode: KeyMode
+) -> None:
+    """The keys a claim computes from a job's JSON and those a worker computes from its
+    handler's entity_ids are one set (two SQL expressions of one rule)."""
+    shape = LockShape(NS, mode, several=True)
+    entities = [7, "8", "inv-17", -2147483648, 2147483648, "007"]
+    with transactions(dsn, 2) as (claim, worker):
+        assert try_json(claim, shape, entities)
+        taken = advisory(claim)
+        claim.rollback()
+        assert try_shape(worker, shape, *entities_of(entities))  # as the worker normalizes
+        assert advisory(worker) == taken != set()
+        worker.rollback()
+        assert try_json(claim, shape, 9) and try_json(claim, shape, []) is None
+        assert try_shape(worker, shape, "inv-16")
+        assert not try_json(claim, shape, ["inv-16", 10])  # all or none
+        assert len(advisory(claim)) == 1  # its 9 only
+
+
+def advisory(conn: psycopg.Connection[Any]) -> set[tuple[int, int, int, str]]:
+    """Every advisory lock this session holds, in either key form."""
+    rows = conn.execute(
+        "SELECT classid::int8, objid::int8, objsubid, mode FROM pg_locks"
+        " WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+    ).fetchall()
+    return {(int(c), int(o), int(n), str(m)) for c, o, n, m in rows}
 
 
 def test_text_and_hash64_entities_take_the_keys_of_one_entity(
@@ -231,7 +273,7 @@ def test_transfers_between_twenty_accounts_hold_both_and_every_balance_adds_up(
     assert_no_deadlock(run)
     conn.commit()  # a fresh snapshot of the statistics the workers left at their exit
     claims = conn.execute(
-        "SELECT calls FROM pg_stat_user_functions WHERE funcname = 'try_json_entity_locks'"
+        "SELECT calls FROM pg_stat_user_functions WHERE funcname = 'try_entity_keys'"
     ).fetchone()
     # the claims locked the given entities (and the hinted ones), and the batch lock's groups
     assert claims is not None and claims[0] >= len(bodies) // 3, claims

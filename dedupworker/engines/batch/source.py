@@ -21,6 +21,7 @@ import psycopg
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
+from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out_many
@@ -140,8 +141,8 @@ class BatchStatements:
                 batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
             ns, shape = self.namespace, self.shape
             if not shape.plain:
-                shaped = (keys.texts, ns, self.mode == "hash64", shape.limit, shape.shared)
-                refused = batch.execute(sql.BATCH_LOCK["shaped"], shaped)
+                shaped = try_keys_params(ns, self.mode == "hash64", shape.limit, shape.shared)
+                refused = batch.execute(sql.BATCH_LOCK["shaped"], (keys.texts, *shaped))
             elif self.mode == "hash64":
                 refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
             else:

@@ -26,6 +26,7 @@ import psycopg
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import fetch_flag, give_back_broken, give_back_rolled_back
+from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
 from dedupworker.decide.outcomes import Outcome, Verdict
@@ -255,4 +256,6 @@ def claim_lock(shape: LockShape) -> tuple[sql.ClaimLock, tuple[Any, ...]]:
     handler of `shape`: its statement's mode and parameters."""
     if shape.plain:
         return shape.mode, (shape.namespace,) * sql.LOCK_NAMESPACES[shape.mode]
-    return "shaped", (shape.namespace, shape.mode == "hash64", shape.limit, shape.shared)
+    return "shaped", try_keys_params(
+        shape.namespace, shape.mode == "hash64", shape.limit, shape.shared
+    )

@@ -63,11 +63,12 @@ def test_the_default_shape_sends_lock_keys_statement() -> None:
 
 def test_other_shapes_send_every_entity_in_one_statement() -> None:
     key = LockShape(44, several=True).key((7, "inv-1", 2**40))
-    assert "dedupworker.try_entity_locks" in key.sql
-    assert key.params == (44, (7, None, None), (None, "inv-1", str(2**40)), False, 1, False)
+    assert "dedupworker.try_entity_keys" in key.sql
+    nums, texts = (7, None, None), (None, "inv-1", str(2**40))
+    assert key.params == (44, False, 44, nums, texts, False, 1, False)
     hash(key)  # the worker's threads take turns by it
     wide = LockShape(44, "hash64", limit=3).key((7,))
-    assert wide.params == (44, (None,), ("7",), True, 3, False)
+    assert wide.params == (44, True, 44, (None,), ("7",), True, 3, False)
     assert not LockShape(44, limit=3).one_at_a_time
     assert not LockShape(44, shared=True).one_at_a_time
     assert LockShape(44, several=True).one_at_a_time
