@@ -15,6 +15,7 @@ import pytest
 
 from dedupworker import enqueue
 from dedupworker.db import sql
+from dedupworker.ops.admin import operations as admin
 from tests.conftest import ROOT, clean_env, cli
 from tests.support.checked_calls import scalar
 from tests.support.pgbouncer import PgBouncer
@@ -171,7 +172,11 @@ def test_a_killed_worker_s_jobs_come_back_at_once(conn: psycopg.Connection[Any],
 def test_both_engines_share_a_queue_and_exclude_each_other(
     conn: psycopg.Connection[Any], dsn: str
 ) -> None:
-    produced = fill(conn, 240, 4, work_ms=15)
+    """Both engines take part by construction: the queue is paused until both workers are up,
+    and each entity's jobs take 1.8 s one after another, longer than a worker takes to see the
+    queue resumed (reporting.PAUSE_INTERVAL, 1 s): whichever sees it first cannot drain it."""
+    produced = fill(conn, 240, 4, work_ms=30)
+    assert admin.pause_queue(conn, "s", "test", "until both workers are up")
     commands = [
         ["TransactionTally", "--concurrency", "4"],
         ["Tally", "--concurrency", "50"],
@@ -201,6 +206,8 @@ def test_both_engines_share_a_queue_and_exclude_each_other(
         )
         for name, *args in commands
     ]
+    wait_for(lambda: scalar(conn, "SELECT count(*) FROM dedupworker.workers") == 2, 60)
+    assert admin.resume_queue(conn, "s", "test")
     for worker in workers:
         _, err = worker.communicate(timeout=120)
         assert worker.returncode == 0, err

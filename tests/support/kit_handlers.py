@@ -149,29 +149,39 @@ class Transfer(Handler):
             )
 
 
+class Meeting:
+    """Calls of one worker process that wait (up to 2 s) until `size` of them run at once: a
+    buggy handler's race then shows however its threads were scheduled."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = 0
+        self.changed = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self.changed:
+            self.running += 1
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: self.running >= self.size, timeout=2)
+
+    def __exit__(self, *exc: object) -> None:
+        with self.changed:
+            self.running -= 1
+
+
 class TransferNamingOneAccount(Transfer):
     """The bug: the transfer locks the account it takes from, not the one it pays into. Any two
     transfers between 3 accounts share one, so the right locks never let two run at once, and
-    these do whenever two threads hold calls at the same time: each call waits (up to 2 s) for
-    another to be running beside it, so the race shows however the threads were scheduled."""
+    these do whenever two threads hold calls at the same time (they meet: `Meeting`)."""
 
-    _running = 0
-    _changed = threading.Condition()
+    meeting = Meeting(2)
 
     def entity_ids(self, message: Message) -> Any:
         return (message.json()["from"],)
 
     def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
-        cls = TransferNamingOneAccount
-        with cls._changed:
-            cls._running += 1
-            cls._changed.notify_all()
-            cls._changed.wait_for(lambda: cls._running > 1, timeout=2)
-        try:
+        with self.meeting:
             super().handle(message, conn)
-        finally:
-            with cls._changed:
-                cls._running -= 1
 
 
 class TenantCalls(Handler):
@@ -189,8 +199,15 @@ class TenantCalls(Handler):
 
 
 class TenantCallsSplitByCall(TenantCalls):
-    """The bug: the entity is the tenant and the call's parity, so a tenant runs 4 at once."""
+    """The bug: the entity is the tenant and the call's parity, so a tenant runs 4 at once
+    (its calls meet 3 at a time: `Meeting`)."""
+
+    meeting = Meeting(3)
 
     def entity_id(self, message: Message) -> int | str:
         body = message.json()
         return f"{body['tenant']}-{body['n'] % 2}"
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        with self.meeting:
+            super().handle(message, conn)
