@@ -63,7 +63,7 @@ def test_transfers_hold_both_accounts_and_every_balance_adds_up(
     args += ["--concurrency", "4", "--bootstrap-servers", broker.bootstrap]
     args += ["--group-id", f"g-{topic}", "--drain", "--connect-timeout", "30"]
     run = WorkerProcesses(env, tmp_path, args, drain_limit=300)
-    run.drain(3, lambda stop: None)
+    run.drain(4, lambda stop: None)  # 4 worker processes, as on the postgres queue
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict())
     assert_clean(report)

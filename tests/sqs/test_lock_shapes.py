@@ -69,7 +69,7 @@ def test_transfers_hold_both_accounts_and_every_balance_adds_up(
     queues = aws.queues(max_receive_count=10)
     send_all(aws, queues.url, bodies)
     run = workers(aws, queues.url, dsn, tmp_path, HANDLERS[engine]["transfer"])
-    run.drain(3, lambda stop: None)
+    run.drain(4, lambda stop: None)  # 4 worker processes, as on the postgres queue
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict())
     assert_clean(report)
