@@ -100,8 +100,11 @@ def start_worker(dsn: str, tmp_path: Path) -> Iterator[StartWorker]:
             worker.proc.wait(30)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    """For this module only: Playwright's sync API keeps an event loop running on the main
+    thread while it is open, and a later test module in the same test process would find
+    itself "in an async context" (asyncio.run refuses to start, Django's ORM refuses to run)."""
     with chromium() as launched:
         yield launched
 
