@@ -94,3 +94,13 @@ def cli(
         timeout=timeout,
         check=False,
     )
+
+
+@pytest.fixture
+def traces() -> Iterator[Any]:
+    """The spans one tracing test produces (tests/support/tracing.py: the SDK imported only by
+    the tests that ask for it)."""
+    from tests.support.tracing import traced
+
+    with traced() as found:
+        yield found

@@ -21,18 +21,11 @@ from tests.support.tracing import (
     check_engine,
     parent_of,
     serving,
-    traced,
     traceparent_of,
     wait_for,
 )
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def traces() -> Iterator[Traces]:
-    with traced() as found:
-        yield found
 
 
 @pytest.fixture

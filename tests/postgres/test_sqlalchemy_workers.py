@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from typing import Any
 
 import psycopg
 import pytest
@@ -18,21 +17,10 @@ from dedupworker import enqueue
 from dedupworker.testing import run
 from examples.sqlalchemy_balances import QUEUE, Base, engine_for, take_payment
 from tests.conftest import ROOT, clean_env, cli
+from tests.support.kit_handlers import expected_balances as expected
+from tests.support.kit_handlers import payments
 
 pytestmark = [pytest.mark.postgres, pytest.mark.acceptance]
-
-
-def payments(count: int, accounts: int) -> list[dict[str, Any]]:
-    return [
-        {"payment_id": f"p{i}", "account_id": i % accounts, "amount": i + 1} for i in range(count)
-    ]
-
-
-def expected(sent: list[dict[str, Any]]) -> dict[int, int]:
-    totals: dict[int, int] = {}
-    for payment in sent:
-        totals[payment["account_id"]] = totals.get(payment["account_id"], 0) + payment["amount"]
-    return totals
 
 
 def balances(dsn: str) -> dict[int, int]:

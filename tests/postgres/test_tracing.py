@@ -35,19 +35,12 @@ from tests.support.tracing import (
     linked,
     parent_of,
     serving,
-    traced,
     wait_for,
 )
 from tests.support.webhook_handlers import QuickDelivery
 from tests.support.webhook_server import WebhookServer
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def traces() -> Iterator[Traces]:
-    with traced() as found:
-        yield found
 
 
 def config(dsn: str, queue: str) -> WorkerConfig:
