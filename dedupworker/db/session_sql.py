@@ -4,7 +4,7 @@ lock sessions, and its claim of jobs by session locks."""
 
 from __future__ import annotations
 
-from dedupworker.db.sql import JOB_KEY
+from dedupworker.db.sql import HINT, JOB_KEY
 
 # Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
 # returns each key as PostgreSQL's lock functions take it, (ns, k) or the one bigint `single`,
@@ -50,9 +50,12 @@ SESSION_UNLOCK = (
 
 # The claim, in three statements. SESSION_CANDIDATES (on a pooled connection) reads ready jobs,
 # oldest first, that this worker does not hold (a session takes no key twice), with at most two
-# in hand per entity given at enqueue (one running, one waiting to run next): its parameters
-# are the ids in hand, the entities with two in hand (passed over) and those with one (one
-# more is taken); more of one entity could not run now. SESSION_CLAIM (on the lock session: the
+# in hand per entity (one running, one waiting to run next), and returns each with its entity as
+# JSON text: the one given at enqueue or, with none given, its hint (the body field the first
+# parameter names as a regular expression, sql.HINT and transports/postgres/hints.py; NULL: no
+# hint; computed once per row, OFFSET 0). Its other parameters are the ids in hand, the entities
+# with two in hand (passed over) and those with one (one more is taken); more of one entity
+# could not run now. SESSION_CLAIM (on the lock session: the
 # only statement of the claim that needs it) locks each. SESSION_CLAIMED (pooled) reads them
 # again after the locks, in a snapshot taken after them: a job that another worker settled
 # (COMMIT, then unlock) just before our lock is gone by then: one primary-key look-up per id (the
@@ -60,20 +63,22 @@ SESSION_UNLOCK = (
 # sight. On a queue filled since its last ANALYZE, `id = ANY (...) AND status = 'ready'` read
 # the whole ready index (a bitmap scan of every ready job) for a few hundred ids, and without
 # the status test it read the whole table (tests/postgres/test_claim_plans.py).
-SESSION_CANDIDATES = """
-SELECT id FROM (
+SESSION_CANDIDATES = f"""
+SELECT id, entity FROM (
     SELECT id, entity, row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
     FROM (
-        SELECT id, entity, run_at FROM dedupworker.jobs
+        SELECT id, hinted.entity, run_at
+        FROM dedupworker.jobs,
+             LATERAL (SELECT coalesce(jobs.entity, {HINT})::text AS entity OFFSET 0) AS hinted
         WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
           AND id NOT IN (SELECT unnest(%s::int8[]))
-          AND (entity IS NULL OR entity::text NOT IN (SELECT unnest(%s::text[])))
+          AND (hinted.entity IS NULL OR hinted.entity NOT IN (SELECT unnest(%s::text[])))
         ORDER BY run_at, id
         LIMIT %s
     ) head
 ) candidates
 WHERE entity IS NULL
-   OR nth <= CASE WHEN entity::text IN (SELECT unnest(%s::text[])) THEN 1 ELSE 2 END
+   OR nth <= CASE WHEN entity IN (SELECT unnest(%s::text[])) THEN 1 ELSE 2 END
 """
 SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
 SESSION_CLAIMED = """

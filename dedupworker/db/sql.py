@@ -61,7 +61,7 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
 # an integer or a string; NULL when the pattern is NULL or finds nothing in the body's first
 # 8 KiB (a big body costs no more). Never an error: `encode(..., 'escape')` shows any byte (a
 # backslash, a non-ASCII one) as an escape, which the pattern's values cannot contain.
-_HINT = """(
+HINT = """(
         SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
                     ELSE to_jsonb(v::numeric) END
         FROM (SELECT substring(encode(substr(body, 1, 8192), 'escape') FROM pattern) AS v
@@ -136,7 +136,7 @@ ClaimLock = Literal["int4", "hash64", "shaped"]
 # The handler's lock_namespace, once per use of it in _LOCKS[mode] (not "shaped"'s).
 LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
 
-_HINT_OF = {"int4": _HINT, "hash64": _HINT, "shaped": HINTS}
+_HINT_OF = {"int4": HINT, "hash64": HINT, "shaped": HINTS}
 CLAIM_LOCKING = {
     mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode], late=LATE)
     for mode, lock in _LOCKS.items()

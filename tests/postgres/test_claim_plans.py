@@ -142,9 +142,23 @@ CLAIMS: dict[str, Claim] = {
     "SESSION_CANDIDATES": (
         session_sql.SESSION_CANDIDATES,
         # the first 500 ready jobs in hand already, passed over
-        lambda ids: (QUEUE, ids[:500], [], CANDIDATES, []),
+        lambda ids: (None, QUEUE, ids[:500], [], CANDIDATES, []),
         (),
         3 * (CANDIDATES + 500),
+    ),
+    "SESSION_CANDIDATES, with an entity hint": (
+        session_sql.SESSION_CANDIDATES,
+        # the first 500 in hand, and 1,000 of the 5,000 entities with two in hand: passed over
+        lambda ids: (
+            pattern_for(("entity",)),
+            QUEUE,
+            ids[:500],
+            [str(entity) for entity in range(1_000)],
+            CANDIDATES,
+            [],
+        ),
+        (),
+        3 * (CANDIDATES + 500 + CANDIDATES // 4),
     ),
     "SESSION_CLAIMED": (session_sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),
 }

@@ -118,6 +118,7 @@ class CallPath:
         if isinstance(found, outcomes.Verdict):
             return found
         entity, dedup_key = found
+        self.source.identified(delivery)
         call.key = session_key(handler.lock_namespace, entity, handler.lock_key_mode)
         await self.turns.take(call, call.key)
         await self.slots.acquire()

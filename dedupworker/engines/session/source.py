@@ -57,6 +57,10 @@ class SessionSource(Protocol):
     ) -> list[Delivery]:
         """Up to `count` messages ([] when none is ready); `reads`: the engine's read pool."""
 
+    def identified(self, delivery: Delivery) -> None:
+        """The engine found the message's entity (`delivery.entity`, `.entities`): a source
+        may learn from it where the next claims should look (the postgres queue's hints)."""
+
     def forget(self, delivery: Delivery) -> None:
         """The message is out of the engine's hands (settled or given back)."""
 
@@ -100,6 +104,9 @@ class ReceivedSessionCalls:
                 break
             taken.append(delivery)
         return taken
+
+    def identified(self, delivery: Delivery) -> None:
+        return None
 
     def forget(self, delivery: Delivery) -> None:
         return None

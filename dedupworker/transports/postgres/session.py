@@ -23,6 +23,7 @@ from dedupworker.decide.settle import carry_out
 from dedupworker.engines.session.source import QueuedStatements
 from dedupworker.message import Message
 from dedupworker.transport import Delivery
+from dedupworker.transports.postgres.hints import EntityHints
 
 if TYPE_CHECKING:
     import psycopg
@@ -45,10 +46,12 @@ async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> lis
 
 
 class SessionJob(NamedTuple):
-    """A job claimed by a session lock: its id, and its entity given at enqueue as JSON text."""
+    """A job claimed by a session lock: its id, its entity given at enqueue as JSON text, and
+    the entity it is counted under in hand: the one given, or its hint (None: neither)."""
 
     id: int
     entity: str | None
+    hinted: str | None
 
 
 class ClaimedSessionCalls:
@@ -59,7 +62,9 @@ class ClaimedSessionCalls:
     def __init__(self, queue: Jobs) -> None:
         self.queue = queue
         self._held: set[int] = set()  # ids of the jobs in hand
-        self._entities: collections.Counter[str] = collections.Counter()  # theirs, given
+        # Their entities, given or hinted: at most PER_ENTITY of one in hand.
+        self._entities: collections.Counter[str] = collections.Counter()
+        self._hints = EntityHints()
 
     async def take(
         self, session: LockSession | None, count: int, reads: AsyncConnectionPool[Any]
@@ -73,12 +78,13 @@ class ClaimedSessionCalls:
         full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
         one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
-        params = (self.queue.queue, list(self._held), full, limit, one)
+        params = (self._hints.pattern, self.queue.queue, list(self._held), full, limit, one)
         async with reads.connection() as conn:
             cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
-            candidates = [row[0] for row in await cursor.fetchall()]
-        if not candidates:
+            hinted: dict[int, str | None] = dict(await cursor.fetchall())
+        if not hinted:
             return []
+        candidates = list(hinted)
         locked = await session.use(functools.partial(_lock_jobs, candidates))
         if not locked:
             return []
@@ -89,9 +95,9 @@ class ClaimedSessionCalls:
         spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra
         if spare:
             session.unlock(jobs=spare)
-        return [self._delivery(row) for row in kept]
+        return [self._delivery(row, hinted[row[0]]) for row in kept]
 
-    def _delivery(self, row: tuple[Any, ...]) -> Delivery:
+    def _delivery(self, row: tuple[Any, ...], hinted: str | None) -> Delivery:
         job_id, body, headers, attempts, contentions, contended_since, entity = row
         message = Message(
             id=str(job_id),
@@ -101,20 +107,36 @@ class ClaimedSessionCalls:
             transport=self.queue.name,
         )
         self._held.add(job_id)
-        if entity is not None:
-            self._entities[entity] += 1
-        delivery = Delivery(message, contentions, SessionJob(job_id, entity), contended_since)
+        hinted = entity if entity is not None else hinted
+        if hinted is not None:
+            self._entities[hinted] += 1
+        job = SessionJob(job_id, entity, hinted)
+        delivery = Delivery(message, contentions, job, contended_since)
         if entity is not None and self.queue.ordered:
             delivery.in_line = normalize_entity(json.loads(entity))
         return delivery
 
+    def identified(self, delivery: Delivery) -> None:
+        """Learn the body field that holds the entity (hints.py) from a message whose entity
+        was not given at enqueue; judge the field's hint against the entity. A job claimed
+        with no hint counts in hand under its entity from now on (as a hint would write it)."""
+        job: SessionJob = delivery.receipt
+        assert delivery.entity is not None
+        entities = delivery.entities or (delivery.entity,)
+        ours = None if job.hinted is None else _is_one_of(job.hinted, entities)
+        self._hints.saw(delivery.message, entities, job.hinted, ours)
+        if job.hinted is None:
+            hinted = json.dumps(delivery.entity)
+            delivery.receipt = job._replace(hinted=hinted)
+            self._entities[hinted] += 1
+
     def forget(self, delivery: Delivery) -> None:
         job: SessionJob = delivery.receipt
         self._held.discard(job.id)
-        if job.entity is not None:
-            self._entities[job.entity] -= 1
-            if self._entities[job.entity] <= 0:
-                del self._entities[job.entity]
+        if job.hinted is not None:
+            self._entities[job.hinted] -= 1
+            if self._entities[job.hinted] <= 0:
+                del self._entities[job.hinted]
 
     def statements(self, delivery: Delivery, verdict: Verdict) -> list[tuple[Any, Any]]:
         queued = QueuedStatements()
@@ -133,3 +155,11 @@ class ClaimedSessionCalls:
 
     def wait_for_work(self, stop: Any, timeout: float) -> None:
         self.queue.wait_for_work(stop, timeout)
+
+
+def _is_one_of(hinted: str, entities: tuple[int | str, ...]) -> bool | None:
+    """True when the entity counted in hand is one of the handler's (None: it is not)."""
+    try:
+        return True if normalize_entity(json.loads(hinted)) in entities else None
+    except ValueError:
+        return None
