@@ -4,7 +4,8 @@ lock sessions, and its claim of jobs by session locks."""
 
 from __future__ import annotations
 
-from dedupworker.db.sql import HINT, JOB_KEY
+from dedupworker.db.hints_sql import HINT
+from dedupworker.db.sql import JOB_KEY
 
 # Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
 # returns each key as PostgreSQL's lock functions take it, (ns, k) or the one bigint `single`,
@@ -52,7 +53,7 @@ SESSION_UNLOCK = (
 # oldest first, that this worker does not hold (a session takes no key twice), with at most two
 # in hand per entity (one running, one waiting to run next), and returns each with its entity as
 # JSON text: the one given at enqueue or, with none given, its hint (the body field the first
-# parameter names as a regular expression, sql.HINT and transports/postgres/hints.py; NULL: no
+# parameter names, hints_sql.HINT and transports/postgres/hints.py; NULL: no
 # hint; computed once per row, OFFSET 0). Its other parameters are the ids in hand, the entities
 # with two in hand (passed over) and those with one (one more is taken); more of one entity
 # could not run now. SESSION_CLAIM (on the lock session: the

@@ -107,17 +107,6 @@ END
 $fn$;
 """
 
-# A shaped handler's hint in its claims (db/sql.py): every value the pattern captures (one
-# field's, or any of several fields': transports/postgres/hints.py), as a JSON array; NULL when
-# it finds none.
-HINTS = """(
-        SELECT jsonb_agg(CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
-                              ELSE to_jsonb(v::numeric) END)
-        FROM (SELECT (regexp_matches(encode(substr(body, 1, 8192), 'escape'), pattern, 'g'))[1]
-                     AS v
-              FROM (SELECT %s::text AS pattern) AS asked
-              WHERE pattern IS NOT NULL) AS found)"""
-
 
 def json_keys(entities: str) -> str:
     """SQL: the lock keys (int8[], sorted, each once) of `entities`, an SQL expression of a

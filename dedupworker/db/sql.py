@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dedupworker.db.shapes_sql import HINTS, TRY_KEYS, json_keys
+from dedupworker.db.hints_sql import HINT, HINTS
+from dedupworker.db.shapes_sql import TRY_KEYS, json_keys
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
 
@@ -56,18 +57,6 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
       FROM claimed
       OFFSET 0) AS claimed
 """
-
-# An entity's hint (see _CLAIM_LOCKING): what the pattern captures in the body's text as JSON,
-# an integer or a string; NULL when the pattern is NULL or finds nothing in the body's first
-# 8 KiB (a big body costs no more). Never an error: `encode(..., 'escape')` shows any byte (a
-# backslash, a non-ASCII one) as an escape, which the pattern's values cannot contain.
-HINT = """(
-        SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
-                    ELSE to_jsonb(v::numeric) END
-        FROM (SELECT substring(encode(substr(body, 1, 8192), 'escape') FROM pattern) AS v
-              FROM (SELECT %s::text AS pattern) AS asked
-              WHERE pattern IS NOT NULL) AS found
-        WHERE v IS NOT NULL)"""
 
 # The same, passing over jobs whose given (or hinted: the last two parameters, as in
 # _CLAIM_LOCKING) entity is locked (by another worker, or another thread of this one): the lock
@@ -124,7 +113,7 @@ _LOCKS = {
            ELSE pg_try_advisory_xact_lock(hashtextextended(entity #>> '{}', %s::int4))
        END""",
     # A handler of another lock shape (dedupworker.decide.shapes): every entity stored with the
-    # job (a JSON array, or one) or hinted (shapes_sql.HINTS), in the handler's shape: its
+    # job (a JSON array, or one) or hinted (hints_sql.HINTS), in the handler's shape: its
     # namespace, whether its key mode is hash64, its entity_limit, whether shared.
     "shaped": f"""CASE
            WHEN entity IS NULL THEN NULL

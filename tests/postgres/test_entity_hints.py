@@ -12,6 +12,7 @@ import pytest
 
 from dedupworker import WorkerConfig, enqueue
 from dedupworker.db.connect import open_pool
+from dedupworker.db.hints_sql import HINT
 from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.transports.postgres.hints import LEARN_AFTER
@@ -91,3 +92,28 @@ def test_a_crowded_thread_passes_over_jobs_whose_hinted_entity_is_held(
             (b'{"entity":50}',),
         ).fetchall()
         assert waiting == [(1,), (0,)]
+
+
+@pytest.mark.parametrize(
+    ("body", "hint"),
+    [
+        (b'{"entity": 7, "amount": 1}', "7"),
+        (b'{"amount": 1, "entity":-12}', "-12"),
+        (b'{"entity" :\n\t"acct-9"}', '"acct-9"'),
+        (b'{"entity": 1.5}', None),  # not an integer: no hint
+        (b'{"entity": 1e3}', None),
+        (b'{"entity": "a\\"b"}', None),  # an escape in the string
+        ('{"entity": "café"}'.encode(), None),  # a non-ASCII byte shows as an escape
+        (b'{"other": 7}', None),
+        (b'\xff\x00{"entity": 7', "7"),  # not JSON, not UTF-8: still never an error
+        (b'{"pad": "' + b"x" * 8200 + b'", "entity": 7}', None),  # past the first 8 KiB
+        (b'{"meta": {"entity": 99}, "entity": 5}', "99"),  # the first one: never trusted
+        (b'{"kind": "entity", "entity": 5}', None),  # the first "entity" is no field: none
+    ],
+)
+def test_a_hint_is_the_value_after_the_field_or_none(
+    conn: psycopg.Connection[Any], body: bytes, hint: str | None
+) -> None:
+    query = f"SELECT {HINT}::text FROM (SELECT %s::bytea AS body) AS jobs"
+    assert conn.execute(query, ('"entity"', body)).fetchone() == (hint,)
+    assert conn.execute(query, (None, body)).fetchone() == (None,)  # no field learned

@@ -78,7 +78,7 @@ class ClaimedSessionCalls:
         full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
         one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
-        params = (self._hints.pattern, self.queue.queue, list(self._held), full, limit, one)
+        params = (self._hints.needle, self.queue.queue, list(self._held), full, limit, one)
         async with reads.connection() as conn:
             cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
             hinted: dict[int, str | None] = dict(await cursor.fetchall())

@@ -234,7 +234,8 @@ class ClaimedTransactions:
         thread = self._thread
         skipping = not whole and time.monotonic() < thread.crowded_until
         cursor = None if whole or skipping else self._thread.claim_from()
-        rows = self.queue.claim(batch, self._lock, skipping, cursor, self._hints.pattern)
+        hint = self._hints.for_claims(shaped=self._lock[0] == "shaped")
+        rows = self.queue.claim(batch, self._lock, skipping, cursor, hint)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         savepoint = thread.savepoint_ahead

@@ -1,0 +1,33 @@
+"""The SQL of entity hints (transports/postgres/hints.py): a claim finds the entity of a job
+enqueued without one in its body, from the field the worker learned."""
+
+from __future__ import annotations
+
+# An entity's hint (sql.CLAIM_LOCKING, CLAIM_SKIPPING, session_sql.SESSION_CANDIDATES): the
+# value after the first quoted field name (the parameter; NULL: no hint) in the body's first
+# 8 KiB, as JSON (an integer or a string); NULL when there is none. A string search, then a
+# match anchored there (an unanchored regular expression over the body cost about three times
+# as much). Never an error: `encode(..., 'escape')` shows any byte (a backslash, a non-ASCII
+# one) as an escape, which the values cannot contain.
+HINT = r"""(
+        SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
+                    ELSE to_jsonb(v::numeric) END
+        FROM (SELECT substring(substr(encode(substr(body, 1, 8192), 'escape'), at, 200) FROM
+                  '^[[:space:]]*:[[:space:]]*(-?[0-9]+(?![.eE0-9])|"[^"\\]*")') AS v
+              FROM (SELECT strpos(encode(substr(body, 1, 8192), 'escape'), field)
+                           + length(field) AS at, field
+                    FROM (SELECT %s::text AS field) AS asked
+                    WHERE field IS NOT NULL) AS found_at
+              WHERE at > length(field)) AS found
+        WHERE v IS NOT NULL)"""
+
+# A shaped handler's hint in its claims (sql.CLAIM_LOCKING, CLAIM_SKIPPING): every value the
+# pattern captures (one field's, or any of several fields': transports/postgres/hints.py), as a
+# JSON array; NULL when it finds none.
+HINTS = """(
+        SELECT jsonb_agg(CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
+                              ELSE to_jsonb(v::numeric) END)
+        FROM (SELECT (regexp_matches(encode(substr(body, 1, 8192), 'escape'), pattern, 'g'))[1]
+                     AS v
+              FROM (SELECT %s::text AS pattern) AS asked
+              WHERE pattern IS NOT NULL) AS found)"""
