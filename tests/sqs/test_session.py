@@ -6,7 +6,9 @@ its lock a session lock on one of the worker's lock sessions, its writes committ
 message's settlement, then SQS's delete, re-send or dead letter). The checker
 (`dedupworker.testing.checking.check`) reads back what the calls recorded: zero overlapping calls
 per entity, nothing lost, no effect committed twice. These runs have no fault, so every message must
-also be received, handled and deleted once: no duplicate outcome at all.
+also be handled once (one call, one committed effect) and deleted. SQS delivers at least once: a
+message whose visibility timeout (2 s here) ran out before its heartbeat extended it, as on a
+loaded machine, comes again, and the ledger acknowledges that copy as a duplicate, without a call.
 """
 
 from __future__ import annotations
@@ -190,7 +192,10 @@ def test_two_processes_over_hot_entities_never_overlap_and_handle_each_message_o
     assert report.calls == len(bodies)  # none handled twice
     counts = stats_totals(workers.stats)
     assert counts["succeeded"] == len(bodies), counts
-    assert counts["duplicate"] == 0, counts  # none received twice
+    # Whatever else happened to a message was its entity found busy, or a copy SQS delivered
+    # again (its visibility ran out: the heartbeat's margin is half a second at 2 s) that the
+    # ledger acknowledged: none was called twice (above) and none failed, retried or died.
+    assert set(counts) <= {"succeeded", "contended", "duplicate"}, counts
     pids = {pid for (pid,) in tables.execute("SELECT DISTINCT pid FROM check_calls")}
     assert pids == {proc.pid for proc in workers.procs}  # both met on the hot entities
     assert dead_letters(sqs, queues) == {}
