@@ -25,7 +25,7 @@ HANDLERS = {
     },
     "batch": {
         "transfer": f"{SHAPES}:BatchTransferCheckedHandler",
-        "limited": f"{SHAPES}:BatchLimitedCheckedHandler",
+        "limited": "tests.support.shape_handlers:MeetingBatchLimited",
         "reader": f"{SHAPES}:BatchSharedReaderCheckedHandler",
         "writer": f"{SHAPES}:BatchExclusiveWriterCheckedHandler",
     },
