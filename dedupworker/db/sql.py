@@ -25,68 +25,73 @@ _JOB_FREE = f"""CASE
 # lock of the entity given at enqueue (NULL when none was given), computed as
 # dedupworker.decide.keys does (a string that is the decimal form of an int4 is that int, as an
 # older producer may have stored it); the worker checks the entity against its handler's before it
-# trusts the result. The CTE claims one row first: the lock is tried on that row only. The scan
-# starts at the claiming thread's cursor (the epoch of the run_at it claimed last, as PostgreSQL
-# wrote it, read back less a millisecond for the float's rounding; NULL: the head of the ready
-# index), which the last column returns: from the head, it walks the index entries of every job
-# deleted since the table's last vacuum (see transports/postgres/transaction.py). With no entity
-# given, the entity's hint stands in for it: the value of the body's field that the last
-# parameter names as a regular expression (transports/postgres/hints.py; NULL: no hint),
-# computed once (OFFSET 0 keeps the planner from copying it into each use of `entity`).
-# Never later than LATE before the claim's transaction began, though: a job stamped ready before
-# a cursor passed its run_at and committed after (made ready by its line's head leaving, on an
-# ordered queue; or committed late by its producer) is then seen by the next claims, rather than
-# by the next claim from the head (up to a second later).
+# trusts the result. The scan starts at the claiming thread's cursor (the epoch of the run_at it
+# claimed last, as PostgreSQL wrote it, read back less a millisecond for the float's rounding;
+# NULL: the head of the ready index), which the last column returns: from the head, it walks
+# the index entries of every job deleted since the table's last vacuum (see
+# transports/postgres/transaction.py). With no entity given, the entity's hint stands in for
+# it (hints_sql.HINT; the last parameter: NULL, no hint), computed once (OFFSET 0 keeps the
+# planner from copying it into each use of `entity`). Never later than LATE before the claim's
+# transaction began, though: a job stamped ready before a cursor passed its run_at and
+# committed after (made ready by its line's head leaving, on an ordered queue; or committed
+# late by its producer) is then seen by the next claims, rather than by the next claim from
+# the head (up to a second later).
+# Locks are tried only on the row the claim takes (CANDIDATES: the ready jobs in order, read
+# without side effects; LATERAL: the first of them whose job key is free, locked): in the WHERE
+# clause of one `ORDER BY ... LIMIT 1` scan they were tried on every ready row when the planner
+# chose a sequential scan and a sort (a small queue, analyzed), and one claim held the job keys
+# of the whole queue, its worker's other threads and every other worker idle until its COMMIT.
+# Up to CLAIM_CANDIDATES jobs in flight at the head are passed over (their keys held).
+CLAIM_CANDIDATES = 10_000
 LATE = "interval '20 milliseconds'"
-_CLAIM_LOCKING = """
+_CLAIM_LOCKING = f"""
 WITH claimed AS (
-    SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
-    FROM dedupworker.jobs
-    WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-      AND run_at >= least(coalesce(to_timestamp(%s::float8 - 0.001), '-infinity'),
-                          now() - {late})
-      AND {job_free}
-    ORDER BY run_at, id
+    SELECT j.id, j.body, j.headers, j.attempts, j.contentions, j.contended_since, j.entity,
+           j.run_at
+    FROM (SELECT id FROM dedupworker.jobs
+          WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+            AND run_at >= least(coalesce(to_timestamp(%s::float8 - 0.001), '-infinity'),
+                                now() - {{late}})
+          ORDER BY run_at, id
+          LIMIT {CLAIM_CANDIDATES}) AS candidate,
+         LATERAL (SELECT * FROM dedupworker.jobs WHERE jobs.id = candidate.id AND {{job_free}}
+                  FOR UPDATE SKIP LOCKED) AS j
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
-       entity, {lock}, extract(epoch FROM run_at)::text
+       entity, {{lock}}, extract(epoch FROM run_at)::text
 FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
-             coalesce(entity, {hint}) AS entity
+             coalesce(entity, {{hint}}) AS entity
       FROM claimed
       OFFSET 0) AS claimed
 """
 
 # The same, passing over jobs whose given (or hinted: the last two parameters, as in
 # _CLAIM_LOCKING) entity is locked (by another worker, or another thread of this one): the lock
-# is tried in the WHERE clause, on ready rows only, so the first job whose entity is free (or
-# unknown) is claimed, locked and all. Only among the first CLAIM_WINDOW ready
-# jobs: a hot entity's backlog at the head of the queue costs a bounded scan; nothing found
-# there makes the runner claim again with CLAIM_LOCKING. A row whose entity lock this takes
-# and that another claimer has row-locked (one that locks the row before the entity: an older
-# worker, or CLAIM_LOCKING between the two) keeps that lock to our COMMIT: more exclusion,
-# never less.
+# is tried in the row's WHERE clause, on ready rows only, so the first job whose entity is free
+# (or unknown) is claimed, locked and all. Only among the first CLAIM_WINDOW ready jobs: a hot
+# entity's backlog at the head of the queue costs a bounded scan; nothing found there makes the
+# runner claim again with CLAIM_LOCKING. A row whose entity lock this takes and that another
+# claimer has row-locked (one that locks the row before the entity: an older worker, or
+# CLAIM_LOCKING between the two) keeps that lock to our COMMIT: more exclusion, never less.
 CLAIM_WINDOW = 32
 _CLAIM_SKIPPING = f"""
 WITH claimed AS (
-    SELECT id, body, headers, attempts, contentions, contended_since, entity, run_at
-    FROM dedupworker.jobs
-    WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
-      AND run_at <= coalesce(
-          (SELECT run_at FROM dedupworker.jobs
-           WHERE queue = %s AND status = 'ready'
-           ORDER BY run_at, id OFFSET {CLAIM_WINDOW - 1} LIMIT 1),
-          'infinity')
-      AND CASE
-          WHEN status = 'ready' AND run_at <= clock_timestamp() THEN (
-              SELECT coalesce({{lock}}, true)
-              FROM (SELECT coalesce(jobs.entity, {{hint}}) AS entity OFFSET 0) AS hinted)
-      END
-      AND {{job_free}}
-    ORDER BY run_at, id
+    SELECT j.id, j.body, j.headers, j.attempts, j.contentions, j.contended_since, j.entity,
+           j.run_at
+    FROM (SELECT id FROM dedupworker.jobs
+          WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
+          ORDER BY run_at, id
+          LIMIT {CLAIM_WINDOW}) AS candidate,
+         LATERAL (SELECT * FROM dedupworker.jobs
+                  WHERE jobs.id = candidate.id
+                    AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN (
+                        SELECT coalesce({{lock}}, true)
+                        FROM (SELECT coalesce(jobs.entity, {{hint}}) AS entity OFFSET 0) AS hinted)
+                    END
+                    AND {{job_free}}
+                  FOR UPDATE SKIP LOCKED) AS j
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
        entity, CASE WHEN entity IS NOT NULL THEN true END, extract(epoch FROM run_at)::text

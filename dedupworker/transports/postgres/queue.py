@@ -136,7 +136,7 @@ class PostgresTransport:
         given, either tries the lock of the one `hint` finds in the body (see hints.py)."""
         mode, lock_params = lock
         if skip:
-            params = (self.queue, self.queue, *lock_params, hint, hint)
+            params = (self.queue, *lock_params, hint, hint)
             return batch.execute(sql.CLAIM_SKIPPING[mode], params)
         return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *lock_params, hint))
 
