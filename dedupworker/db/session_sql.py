@@ -4,7 +4,7 @@ lock sessions, and its claim of jobs by session locks."""
 
 from __future__ import annotations
 
-from dedupworker.db.hints_sql import HINT
+from dedupworker.db.hints_sql import HINT_TEXT
 from dedupworker.db.sql import JOB_KEY
 
 # Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
@@ -53,7 +53,7 @@ SESSION_UNLOCK = (
 # oldest first, that this worker does not hold (a session takes no key twice), with at most two
 # in hand per entity (one running, one waiting to run next), and returns each with its entity as
 # JSON text: the one given at enqueue or, with none given, its hint (the body field the first
-# parameter names, hints_sql.HINT and transports/postgres/hints.py; NULL: no
+# parameter names, hints_sql.HINT_TEXT and transports/postgres/hints.py; NULL: no
 # hint; computed once per row, OFFSET 0). Its other parameters are the ids in hand, the entities
 # with two in hand (passed over) and those with one (one more is taken); more of one entity
 # could not run now. SESSION_CLAIM (on the lock session: the
@@ -70,7 +70,7 @@ SELECT id, entity FROM (
     FROM (
         SELECT id, hinted.entity, run_at
         FROM dedupworker.jobs,
-             LATERAL (SELECT coalesce(jobs.entity, {HINT})::text AS entity OFFSET 0) AS hinted
+             LATERAL (SELECT coalesce(jobs.entity::text, {HINT_TEXT}) AS entity OFFSET 0) AS hinted
         WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
           AND id NOT IN (SELECT unnest(%s::int8[]))
           AND (hinted.entity IS NULL OR hinted.entity NOT IN (SELECT unnest(%s::text[])))

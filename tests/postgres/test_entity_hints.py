@@ -12,7 +12,7 @@ import pytest
 
 from dedupworker import WorkerConfig, enqueue
 from dedupworker.db.connect import open_pool
-from dedupworker.db.hints_sql import HINT
+from dedupworker.db.hints_sql import HINT, HINT_TEXT
 from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.transports.postgres.hints import LEARN_AFTER
@@ -114,6 +114,7 @@ def test_a_crowded_thread_passes_over_jobs_whose_hinted_entity_is_held(
 def test_a_hint_is_the_value_after_the_field_or_none(
     conn: psycopg.Connection[Any], body: bytes, hint: str | None
 ) -> None:
-    query = f"SELECT {HINT}::text FROM (SELECT %s::bytea AS body) AS jobs"
-    assert conn.execute(query, ('"entity"', body)).fetchone() == (hint,)
-    assert conn.execute(query, (None, body)).fetchone() == (None,)  # no field learned
+    for found in (f"{HINT}::text", HINT_TEXT):  # as JSON (the claims' locks), as JSON text
+        query = f"SELECT {found} FROM (SELECT %s::bytea AS body) AS jobs"
+        assert conn.execute(query, ('"entity"', body)).fetchone() == (hint,)
+        assert conn.execute(query, (None, body)).fetchone() == (None,)  # no field learned
