@@ -36,8 +36,9 @@ _JOB_FREE = f"""CASE
 # committed after (made ready by its line's head leaving, on an ordered queue; or committed
 # late by its producer) is then seen by the next claims, rather than by the next claim from
 # the head (up to a second later).
-# Locks are tried only on the row the claim takes (CANDIDATES: the ready jobs in order, read
-# without side effects; LATERAL: the first of them whose job key is free, locked): in the WHERE
+# Locks are tried only on the row the claim takes (candidates: the ready jobs in order, read
+# without side effects; the job key tried on each in turn, before its row is read: a job in
+# flight costs no look-up; LATERAL: the row, locked): in the WHERE
 # clause of one `ORDER BY ... LIMIT 1` scan they were tried on every ready row when the planner
 # chose a sequential scan and a sort (a small queue, analyzed), and one claim held the job keys
 # of the whole queue, its worker's other threads and every other worker idle until its COMMIT.
@@ -54,8 +55,11 @@ WITH claimed AS (
                                 now() - {{late}})
           ORDER BY run_at, id
           LIMIT {CLAIM_CANDIDATES}) AS candidate,
-         LATERAL (SELECT * FROM dedupworker.jobs WHERE jobs.id = candidate.id AND {{job_free}}
+         LATERAL (SELECT * FROM dedupworker.jobs
+                  WHERE jobs.id = candidate.id AND status = 'ready'
+                    AND run_at <= clock_timestamp()
                   FOR UPDATE SKIP LOCKED) AS j
+    WHERE pg_try_advisory_xact_lock({JOB_NAMESPACE}, candidate.id::bit(32)::int4)
     LIMIT 1
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,
@@ -132,7 +136,7 @@ LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
 
 _HINT_OF = {"int4": HINT, "hash64": HINT, "shaped": HINTS}
 CLAIM_LOCKING = {
-    mode: _CLAIM_LOCKING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode], late=LATE)
+    mode: _CLAIM_LOCKING.format(lock=lock, hint=_HINT_OF[mode], late=LATE)
     for mode, lock in _LOCKS.items()
 }
 CLAIM_SKIPPING = {
