@@ -19,19 +19,21 @@ HINT_TEXT = r"""(
               WHERE field IS NOT NULL OFFSET 0) AS found_at
         WHERE at > length(field))"""
 
+# A value `v` found in the text (a quoted string or an integer) as JSON.
+_AS_JSON = """CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
+                 ELSE to_jsonb(v::numeric) END"""
+
 # The same as JSON (sql.CLAIM_LOCKING, CLAIM_SKIPPING: the claims lock it).
 HINT = f"""(
-        SELECT CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
-                    ELSE to_jsonb(v::numeric) END
+        SELECT {_AS_JSON}
         FROM (SELECT {HINT_TEXT} AS v OFFSET 0) AS found
         WHERE v IS NOT NULL)"""
 
 # A shaped handler's hint in its claims (sql.CLAIM_LOCKING, CLAIM_SKIPPING): every value the
 # pattern captures (one field's, or any of several fields': transports/postgres/hints.py), as a
 # JSON array; NULL when it finds none.
-HINTS = """(
-        SELECT jsonb_agg(CASE WHEN left(v, 1) = '"' THEN to_jsonb(substr(v, 2, length(v) - 2))
-                              ELSE to_jsonb(v::numeric) END)
+HINTS = f"""(
+        SELECT jsonb_agg({_AS_JSON})
         FROM (SELECT (regexp_matches(encode(substr(body, 1, 8192), 'escape'), pattern, 'g'))[1]
                      AS v
               FROM (SELECT %s::text AS pattern) AS asked

@@ -15,7 +15,13 @@ NOTIFY_CHANNEL = "dedupworker_jobs"
 # end. The per-message claims take the same key (transaction-scoped) on the row they claim, so
 # both engines can serve one queue. Two ids 2**32 apart share a key: that costs a wait.
 JOB_NAMESPACE = 0x64776A62  # int4 "dwjb"
-JOB_KEY = f"{JOB_NAMESPACE}, id::bit(32)::int4"
+
+
+def job_key(job_id: str) -> str:  # a job's claim key, for the SQL expression of its id
+    return f"{JOB_NAMESPACE}, {job_id}::bit(32)::int4"
+
+
+JOB_KEY = job_key("id")
 _JOB_FREE = f"""CASE
           WHEN status = 'ready' AND run_at <= clock_timestamp()
               THEN pg_try_advisory_xact_lock({JOB_KEY})
@@ -32,17 +38,14 @@ _JOB_FREE = f"""CASE
 # transports/postgres/transaction.py). With no entity given, the entity's hint stands in for
 # it (hints_sql.HINT; the last parameter: NULL, no hint), computed once (OFFSET 0 keeps the
 # planner from copying it into each use of `entity`). Never later than LATE before the claim's
-# transaction began, though: a job stamped ready before a cursor passed its run_at and
-# committed after (made ready by its line's head leaving, on an ordered queue; or committed
-# late by its producer) is then seen by the next claims, rather than by the next claim from
-# the head (up to a second later).
-# Locks are tried only on the row the claim takes (candidates: the ready jobs in order, read
-# without side effects; the job key tried on each in turn, before its row is read: a job in
-# flight costs no look-up; LATERAL: the row, locked): in the WHERE
-# clause of one `ORDER BY ... LIMIT 1` scan they were tried on every ready row when the planner
-# chose a sequential scan and a sort (a small queue, analyzed), and one claim held the job keys
-# of the whole queue, its worker's other threads and every other worker idle until its COMMIT.
-# Up to CLAIM_CANDIDATES jobs in flight at the head are passed over (their keys held).
+# transaction began: a job stamped ready before a cursor passed its run_at and committed after
+# (its line's head left, on an ordered queue; a late producer) is seen by the next claims.
+# Locks are tried only on the row the claim takes: the candidates (ready jobs in order) are read
+# without side effects, the job key tried on each in turn before its row is read (a job in
+# flight costs no look-up), the row locked in a LATERAL. In the WHERE clause of one `ORDER BY
+# ... LIMIT 1` scan, a sequential scan and a sort (planned for a small analyzed queue) tried
+# them on every ready row: one claim held the whole queue's keys. At most CLAIM_CANDIDATES
+# jobs in flight at the head are passed over.
 CLAIM_CANDIDATES = 10_000
 LATE = "interval '20 milliseconds'"
 _CLAIM_LOCKING = f"""
@@ -59,7 +62,7 @@ WITH claimed AS (
                   WHERE jobs.id = candidate.id AND status = 'ready'
                     AND run_at <= clock_timestamp()
                   FOR UPDATE SKIP LOCKED) AS j
-    WHERE pg_try_advisory_xact_lock({JOB_NAMESPACE}, candidate.id::bit(32)::int4)
+    WHERE pg_try_advisory_xact_lock({job_key("candidate.id")})
     LIMIT 1
 )
 SELECT id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,

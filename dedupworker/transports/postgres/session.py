@@ -46,12 +46,12 @@ async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> lis
 
 
 class SessionJob(NamedTuple):
-    """A job claimed by a session lock: its id, its entity given at enqueue as JSON text, and
-    the entity it is counted under in hand: the one given, or its hint (None: neither)."""
+    """A job claimed by a session lock: its id, and the entity it counts under in hand, as JSON
+    text: the one given at enqueue, else its hint, else (once identified) its handler's; None
+    until one is known."""
 
     id: int
     entity: str | None
-    hinted: str | None
 
 
 class ClaimedSessionCalls:
@@ -78,13 +78,14 @@ class ClaimedSessionCalls:
         full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
         one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
-        params = (self._hints.needle, self.queue.queue, list(self._held), full, limit, one)
+        hint = self._hints.for_claims(shaped=False)  # shaped handlers: not in this engine
+        params = (hint, self.queue.queue, list(self._held), full, limit, one)
         async with reads.connection() as conn:
             cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
-            hinted: dict[int, str | None] = dict(await cursor.fetchall())
-        if not hinted:
+            counted: dict[int, str | None] = dict(await cursor.fetchall())
+        if not counted:
             return []
-        candidates = list(hinted)
+        candidates = list(counted)
         locked = await session.use(functools.partial(_lock_jobs, candidates))
         if not locked:
             return []
@@ -95,9 +96,11 @@ class ClaimedSessionCalls:
         spare = [job for job in locked if job not in taken]  # settled meanwhile, or extra
         if spare:
             session.unlock(jobs=spare)
-        return [self._delivery(row, hinted[row[0]]) for row in kept]
+        return [self._delivery(row, counted[row[0]]) for row in kept]
 
-    def _delivery(self, row: tuple[Any, ...], hinted: str | None) -> Delivery:
+    def _delivery(self, row: tuple[Any, ...], counted: str | None) -> Delivery:
+        """The job read again after its lock (`counted`: its entity as the candidates read it,
+        given or hinted)."""
         job_id, body, headers, attempts, contentions, contended_since, entity = row
         message = Message(
             id=str(job_id),
@@ -107,11 +110,9 @@ class ClaimedSessionCalls:
             transport=self.queue.name,
         )
         self._held.add(job_id)
-        hinted = entity if entity is not None else hinted
-        if hinted is not None:
-            self._entities[hinted] += 1
-        job = SessionJob(job_id, entity, hinted)
-        delivery = Delivery(message, contentions, job, contended_since)
+        if counted is not None:
+            self._entities[counted] += 1
+        delivery = Delivery(message, contentions, SessionJob(job_id, counted), contended_since)
         if entity is not None and self.queue.ordered:
             delivery.in_line = normalize_entity(json.loads(entity))
         return delivery
@@ -123,20 +124,20 @@ class ClaimedSessionCalls:
         job: SessionJob = delivery.receipt
         assert delivery.entity is not None
         entities = delivery.entities or (delivery.entity,)
-        ours = None if job.hinted is None else _is_one_of(job.hinted, entities)
-        self._hints.saw(delivery.message, entities, job.hinted, ours)
-        if job.hinted is None:
-            hinted = json.dumps(delivery.entity)
-            delivery.receipt = job._replace(hinted=hinted)
-            self._entities[hinted] += 1
+        ours = None if job.entity is None else _is_one_of(job.entity, entities)
+        self._hints.saw(delivery.message, entities, job.entity, ours)
+        if job.entity is None:
+            counted = json.dumps(delivery.entity)
+            delivery.receipt = job._replace(entity=counted)
+            self._entities[counted] += 1
 
     def forget(self, delivery: Delivery) -> None:
         job: SessionJob = delivery.receipt
         self._held.discard(job.id)
-        if job.hinted is not None:
-            self._entities[job.hinted] -= 1
-            if self._entities[job.hinted] <= 0:
-                del self._entities[job.hinted]
+        if job.entity is not None:
+            self._entities[job.entity] -= 1
+            if self._entities[job.entity] <= 0:
+                del self._entities[job.entity]
 
     def statements(self, delivery: Delivery, verdict: Verdict) -> list[tuple[Any, Any]]:
         queued = QueuedStatements()
@@ -157,9 +158,9 @@ class ClaimedSessionCalls:
         self.queue.wait_for_work(stop, timeout)
 
 
-def _is_one_of(hinted: str, entities: tuple[int | str, ...]) -> bool | None:
+def _is_one_of(counted: str, entities: tuple[int | str, ...]) -> bool | None:
     """True when the entity counted in hand is one of the handler's (None: it is not)."""
     try:
-        return True if normalize_entity(json.loads(hinted)) in entities else None
+        return True if normalize_entity(json.loads(counted)) in entities else None
     except ValueError:
         return None
