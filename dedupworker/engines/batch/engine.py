@@ -152,6 +152,7 @@ class BatchEngine:
                 if shaped:
                     keys.numbers.append(None)
                     keys.texts.append(json.dumps(several))
+                    keys.entities.update(dict.fromkeys(several))
                 elif type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
                     keys.numbers.append(entity)  # keys.session_key's columns, inline
                     keys.texts.append(None)

@@ -14,7 +14,7 @@ savepoint, the ledger look-up, the ledger record) are built here, once.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import psycopg
 
@@ -79,16 +79,26 @@ class BatchCall:
 class Keys:
     """A batch's distinct entities that are still to lock, as the lock statement takes them
     (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes; for a handler of
-    another lock shape, each group's entities as a JSON array in `texts`), each with the
-    ordinal (from 1) of its entity's group; and how many entities taking the messages locked."""
+    another lock shape, each group's entities as a JSON array in `texts`, and all of them once
+    each in `entities`), each with the ordinal (from 1) of its entity's group; and how many
+    entities taking the messages locked."""
 
-    __slots__ = ("numbers", "ordinals", "prelocked", "texts")
+    __slots__ = ("entities", "numbers", "ordinals", "prelocked", "texts")
 
     def __init__(self) -> None:
         self.numbers: list[int | None] = []
         self.texts: list[str | None] = []
         self.ordinals: list[int] = []
+        self.entities: dict[int | str, None] = {}  # a shaped handler's, in order, each once
         self.prelocked = 0
+
+
+class Locking(NamedTuple):
+    """What `BatchStatements.lock` queued, read once its round trip ran."""
+
+    whole: Result | None  # a shaped handler's: every entity of the batch at once, or none
+    refused: Result | None  # the ordinals of the groups held elsewhere
+    seen: Result | None  # the ledger keys recorded
 
 
 class BatchSource(Protocol):
@@ -120,6 +130,14 @@ class BatchSource(Protocol):
         """This thread stops."""
 
 
+# A shaped handler's batch is locked whole first: every entity of its messages in one
+# `try_entity_keys`, one subtransaction for the batch where a lock per message cost one each
+# (bench/README.md, lock_shapes). When one of them is held elsewhere it takes none, and the
+# messages are locked one by one, each all or none, in a second round trip; the next
+# WHOLE_SKIP batches then go straight to that (their entities are contended).
+WHOLE_SKIP = 8
+
+
 class BatchStatements:
     """The statements around a batch's call that are the same for every source."""
 
@@ -129,31 +147,59 @@ class BatchStatements:
         self.shape = handler.lock_shape
         self.scope = handler.ledger_scope
         self.timeout = handler.timeout_setting
+        self._skip_whole = 0  # advice shared by the threads, updated without a lock
 
-    def lock(
-        self, batch: Batch, call: BatchCall, keys: Keys, dedup_keys: list[str]
-    ) -> tuple[Result | None, Result | None]:
+    def lock(self, batch: Batch, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> Locking:
         """Queue the locks (if any), the handler's savepoint after them (a savepoint rolled
         back releases the locks taken inside it) and the ledger look-up (if any)."""
-        refused = None
+        whole = refused = None
         if keys.texts:
             if call.savepoint is not None:
                 batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
-            ns, shape = self.namespace, self.shape
-            if not shape.plain:
-                shaped = try_keys_params(ns, self.mode == "hash64", shape.limit, shape.shared)
-                refused = batch.execute(sql.BATCH_LOCK["shaped"], (keys.texts, *shaped))
-            elif self.mode == "hash64":
-                refused = batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
+            if self.shape.plain:
+                refused = self._lock_entities(batch, keys)
+            elif self._skip_whole > 0:
+                self._skip_whole -= 1
+                refused = self._lock_groups(batch, keys)
             else:
-                params = (keys.numbers, keys.texts, ns, ns)
-                refused = batch.execute(sql.BATCH_LOCK["int4"], params)
+                whole_key = self.shape.key(tuple(keys.entities))
+                whole = batch.execute(whole_key.sql, whole_key.params)
             call.savepoint = None
         if call.savepoint is None:
             batch.execute(SAVEPOINT)
             call.savepoint = "clean"
         seen = batch.execute(sql.BATCH_SEEN, (dedup_keys, self.scope)) if dedup_keys else None
-        return refused, seen
+        return Locking(whole, refused, seen)
+
+    def answer(self, call: BatchCall, keys: Keys, locking: Locking) -> tuple[set[int], set[str]]:
+        """What `lock`'s round trip says, once it ran: the ordinals of the groups held
+        elsewhere and the ledger keys seen. A whole batch refused is locked group by group
+        now, in a round trip of its own."""
+        refused = locking.refused
+        if locking.whole is not None and not _answered_true(locking.whole):
+            self._skip_whole = WHOLE_SKIP
+            assert call.conn is not None
+            batch = Batch(call.conn)
+            batch.execute(RELEASE_SAVEPOINT)  # still clean: the locks go before it
+            refused = self._lock_groups(batch, keys)
+            batch.execute(SAVEPOINT)
+            batch.run()
+        held = set() if refused is None else {row[0] for row in refused.fetchall()}
+        seen = locking.seen
+        return held, set() if seen is None else {row[0] for row in seen.fetchall()}
+
+    def _lock_entities(self, batch: Batch, keys: Keys) -> Result:
+        """The default shape's: each entity's key, those held elsewhere come back."""
+        ns = self.namespace
+        if self.mode == "hash64":
+            return batch.execute(sql.BATCH_LOCK["hash64"], (keys.texts, ns))
+        return batch.execute(sql.BATCH_LOCK["int4"], (keys.numbers, keys.texts, ns, ns))
+
+    def _lock_groups(self, batch: Batch, keys: Keys) -> Result:
+        """Another shape's, message by message: each group's entities all or none."""
+        shape = self.shape
+        shaped = try_keys_params(self.namespace, self.mode == "hash64", shape.limit, shape.shared)
+        return batch.execute(sql.BATCH_LOCK["shaped"], (keys.texts, *shaped))
 
     def end(self, batch: Batch, call: BatchCall) -> None:
         """Queue what ends a batch before its settlement: the savepoint released (what the
@@ -168,10 +214,9 @@ class BatchStatements:
             batch.execute(sql.BATCH_RECORD, (self.scope, records))
 
 
-def locked(refused: Result | None, seen: Result | None) -> tuple[set[int], set[str]]:
-    """What `BatchStatements.lock`'s results say, once its batch ran."""
-    held = set() if refused is None else {row[0] for row in refused.fetchall()}
-    return held, set() if seen is None else {row[0] for row in seen.fetchall()}
+def _answered_true(result: Result) -> bool:
+    row = result.fetchone()
+    return row is not None and row[0] is True
 
 
 class ReceivedBatches:
@@ -219,9 +264,9 @@ class ReceivedBatches:
         if self.statements.timeout is not None:
             timeout = self.statements.timeout
             batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
-        refused, seen = self.statements.lock(batch, call, keys, dedup_keys)
+        locking = self.statements.lock(batch, call, keys, dedup_keys)
         batch.run()
-        return locked(refused, seen)
+        return self.statements.answer(call, keys, locking)
 
     def settle(self, call: BatchCall, ahead: bool = False) -> None:
         conn = call.conn

@@ -28,7 +28,7 @@ from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken, give_back_rolled_back
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.settle import carry_out_many
-from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys, locked
+from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys
 from dedupworker.engines.common import has_after_settle
 from dedupworker.handler import BatchHandler
 from dedupworker.transport import Delivery
@@ -166,9 +166,9 @@ class ClaimedBatches:
         if not keys.texts and not dedup_keys and call.savepoint is not None:
             return set(), set()  # every entity locked by the claim, the savepoint open
         batch = Batch(call.conn)
-        refused, seen = self.statements.lock(batch, call, keys, dedup_keys)
+        locking = self.statements.lock(batch, call, keys, dedup_keys)
         batch.run()
-        return locked(refused, seen)
+        return self.statements.answer(call, keys, locking)
 
     def settle(self, call: BatchCall, ahead: bool = False) -> None:
         """The ledger record, one statement per outcome and COMMIT in one round trip, with the

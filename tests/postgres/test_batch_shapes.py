@@ -1,0 +1,136 @@
+"""The batch engine's locks of a shaped handler on the real PostgreSQL: the whole batch in one
+statement when every entity is free, message by message (each all or none) when one is held
+elsewhere (engines/batch/source.py, BatchStatements)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import psycopg
+import pytest
+
+from dedupworker import BatchHandler, Message
+from dedupworker.db.wire import Batch
+from dedupworker.engines.batch.source import (
+    ROLLBACK_TO_SAVEPOINT,
+    WHOLE_SKIP,
+    BatchCall,
+    BatchStatements,
+    Keys,
+)
+
+pytestmark = pytest.mark.postgres
+
+NS = 52
+
+
+class Transfer(BatchHandler):
+    lock_namespace = NS
+
+    def entity_ids(self, message: Message) -> list[int]:
+        body = message.json()
+        return [body["from"], body["to"]]
+
+
+class Limited(Transfer):
+    entity_limit: ClassVar[int] = 2
+
+
+def keys_of(groups: list[tuple[int, ...]]) -> Keys:
+    """The Keys the batch engine builds for these groups of entities, none locked yet."""
+    keys = Keys()
+    for ordinal, group in enumerate(groups, 1):
+        keys.ordinals.append(ordinal)
+        keys.numbers.append(None)
+        keys.texts.append(json.dumps(group))
+        keys.entities.update(dict.fromkeys(group))
+    return keys
+
+
+def held(conn: psycopg.Connection[Any]) -> set[int]:
+    """The keys of namespace NS this session holds (slot 0 of each entity: the entity)."""
+    rows = conn.execute(
+        "SELECT objid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+        " AND classid = %s AND pid = pg_backend_pid()",
+        (NS,),
+    ).fetchall()
+    return {int(o) - (2**32 if o >= 2**31 else 0) for (o,) in rows}  # oid: an int4 key unsigned
+
+
+@pytest.fixture
+def conns(dsn: str) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]]:
+    ours, other = psycopg.connect(dsn), psycopg.connect(dsn)
+    try:
+        yield ours, other
+    finally:
+        ours.close()
+        other.close()
+
+
+def lock(
+    statements: BatchStatements, conn: psycopg.Connection[Any], keys: Keys
+) -> tuple[set[int], BatchCall]:
+    call = BatchCall([], conn)
+    batch = Batch(conn)
+    batch.execute("BEGIN")
+    locking = statements.lock(batch, call, keys, [])
+    batch.run()
+    refused, _ = statements.answer(call, keys, locking)
+    return refused, call
+
+
+GROUPS = [(1, 2), (3, 4), (5, 6), (2, 7)]
+
+
+def test_a_batch_whose_entities_are_free_is_locked_whole(conns: Any) -> None:
+    ours, _ = conns
+    statements = BatchStatements(Transfer())
+    refused, _ = lock(statements, ours, keys_of(GROUPS))
+    assert refused == set()
+    assert held(ours) == {1, 2, 3, 4, 5, 6, 7}
+
+
+def test_one_entity_held_elsewhere_makes_only_its_message_contended(conns: Any) -> None:
+    ours, other = conns
+    other.execute("SELECT pg_advisory_xact_lock(%s, 4)", (NS,))
+    statements = BatchStatements(Transfer())
+    refused, call = lock(statements, ours, keys_of(GROUPS))
+    assert refused == {2}  # (3, 4): all or none, so 3 is not held either
+    assert held(ours) == {1, 2, 5, 6, 7}
+    # The locks come before the handler's savepoint: a call rolled back keeps them.
+    assert call.savepoint == "clean"
+    ours.execute(ROLLBACK_TO_SAVEPOINT)
+    assert held(ours) == {1, 2, 5, 6, 7}
+    ours.rollback()
+
+    # The next batches go message by message at once, then the whole batch is tried again.
+    other.rollback()
+    for _ in range(WHOLE_SKIP):
+        assert lock(statements, ours, keys_of(GROUPS))[0] == set()
+        ours.rollback()
+    assert statements._skip_whole == 0
+    assert lock(statements, ours, keys_of(GROUPS))[0] == set()
+    assert held(ours) == {1, 2, 3, 4, 5, 6, 7}
+
+
+def test_a_limited_entity_is_one_slot_of_the_batch_whole_or_by_message(conns: Any) -> None:
+    ours, other = conns
+    statements = BatchStatements(Limited())
+    other.execute("SELECT pg_advisory_xact_lock(%s, 1)", (NS,))  # slot 0 of entity 1
+    refused, _ = lock(statements, ours, keys_of([(1, 2), (1, 3)]))
+    assert refused == set()  # entity 1 in its slot 1, once for both messages
+    slot_1 = ours.execute("SELECT dedupworker.slot_key(1, 1)").fetchone()
+    assert slot_1 is not None
+    assert held(ours) == {slot_1[0], 2, 3}
+    ours.rollback()
+
+    third = psycopg.connect(other.info.dsn)
+    try:
+        third.execute("SELECT pg_advisory_xact_lock(%s, dedupworker.slot_key(1, 1))", (NS,))
+        refused, _ = lock(statements, ours, keys_of([(1, 2), (4, 5)]))
+        assert refused == {1}  # both slots of entity 1 taken: (1, 2) waits, (4, 5) runs
+        assert held(ours) == {4, 5}
+    finally:
+        third.close()
