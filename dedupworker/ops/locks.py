@@ -10,14 +10,15 @@ transaction open (one that holds an advisory lock outside a transaction holds a 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psycopg
 
 from dedupworker.db import sql
 from dedupworker.db.schema import INTERNAL_NAMESPACE
-from dedupworker.decide.keys import decode_pg_locks_key
+from dedupworker.decide.keys import decode_pg_locks_key, fits_int4, normalize_entity
+from dedupworker.decide.shapes import MAX_LIMIT
 from dedupworker.errors import SchemaMissing
 from dedupworker.ops.admin import sql as admin_sql
 
@@ -82,19 +83,69 @@ class LockRow:
     # The holder's session's age: how long a session lock may have been held at most (a
     # lock session holds many locks over its life; pg_locks keeps no time a lock was taken).
     session_seconds: float | None = None
+    # The entity keys of one namespace that the same transaction holds: a call of several
+    # entities (entity_ids), or a batch; its rows are listed together.
+    call_keys: int = 1
+    slot: int | None = None  # the entity's slot (entity_limit), when asked by --entity
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def advisory_locks(conn: psycopg.Connection[Any], namespace: int | None = None) -> list[LockRow]:
-    """Every advisory lock of the current database (or of one namespace), held or awaited."""
+def advisory_locks(
+    conn: psycopg.Connection[Any], namespace: int | None = None, entity: int | str | None = None
+) -> list[LockRow]:
+    """Every advisory lock of the current database (or of one namespace), held or awaited,
+    the entity keys one transaction holds in a namespace listed together; with `entity` (and
+    its namespace), only the locks of its slots (docs/lock-shapes.md), each with its number."""
+    slots = {} if entity is None else _slot_keys(conn, entity)
     rows = []
     for row in _fetch(conn):
         lock = _lock_row(row)
-        if namespace is None or lock.namespace == namespace:
-            rows.append(lock)
-    return rows
+        if namespace is not None and lock.namespace != namespace:
+            continue
+        if entity is not None:
+            if lock.key not in slots or lock.kind != "entity":
+                continue
+            lock = replace(lock, slot=slots[lock.key])
+        rows.append(lock)
+    return _calls_together(rows)
+
+
+def _slot_keys(conn: psycopg.Connection[Any], entity: int | str) -> dict[int, int]:
+    """Each key an entity's slots lock (int4 key mode), with its slot number."""
+    value = normalize_entity(entity)
+    number = value if isinstance(value, int) and fits_int4(value) else None
+    rows = conn.execute(
+        "SELECT dedupworker.slot_key(coalesce(%s::int4, hashtext(%s::text)), s), s"
+        " FROM generate_series(0, %s - 1) AS s",
+        (number, None if number is not None else str(value), MAX_LIMIT),
+    ).fetchall()
+    return {key: slot for key, slot in rows}
+
+
+def _calls_together(rows: list[LockRow]) -> list[LockRow]:
+    """The entity keys that one backend's transaction holds in one namespace count as one
+    call's (`call_keys`) and follow its first, the rest in their order."""
+
+    def call_of(lock: LockRow) -> tuple[int | None, int | None] | None:
+        held = lock.kind == "entity" and lock.state == "held" and lock.scope == "transaction"
+        return (lock.pid, lock.namespace) if held and lock.pid is not None else None
+
+    calls: dict[tuple[int | None, int | None], list[LockRow]] = {}
+    for lock in rows:
+        call = call_of(lock)
+        if call is not None:
+            calls.setdefault(call, []).append(lock)
+    listed: list[LockRow] = []
+    for lock in rows:
+        call = call_of(lock)
+        if call is None:
+            listed.append(lock)
+        elif call in calls:
+            keys = calls.pop(call)
+            listed += [replace(key, call_keys=len(keys)) for key in keys]
+    return listed
 
 
 def _fetch(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
@@ -221,7 +272,7 @@ def format_table(rows: list[LockRow]) -> str:
 def _cells(r: LockRow) -> tuple[str, ...]:
     return (
         "hash64" if r.namespace is None else str(r.namespace),
-        str(r.key),
+        str(r.key) if r.slot is None else f"{r.key} (slot {r.slot})",
         _kind(r),
         r.scope,
         r.mode,
@@ -236,6 +287,8 @@ def _cells(r: LockRow) -> tuple[str, ...]:
 def _kind(r: LockRow) -> str:
     """`job claim: job 12 (q)`, or the id's low bits when no single job has them (settled,
     or several ids 2**32 apart)."""
+    if r.kind == "entity" and r.call_keys > 1:
+        return f"entity, 1 of {r.call_keys} in one call"
     if r.kind != "job claim":
         return r.kind
     if r.job_id is not None:

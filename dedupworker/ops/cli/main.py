@@ -204,6 +204,11 @@ def _add_locks(sub: Any) -> None:
     )
     add_connect_options(p)
     add_option(p, "--namespace", type=int, help="only this lock namespace")
+    add_option(
+        p,
+        "--entity",
+        help="only this entity's locks, each slot of its entity_limit numbered (with --namespace)",
+    )
     add_option(p, "--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_locks)
 
@@ -299,8 +304,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_locks(args: argparse.Namespace) -> int:
     from dedupworker.ops.locks import advisory_locks, format_table
 
+    if args.entity is not None and args.namespace is None:
+        raise ConfigurationError(
+            f"--entity {args.entity} needs its handler's --namespace (lock_namespace): an "
+            "entity's keys are keys of its namespace"
+        )
     with connect(args) as conn:
-        rows = advisory_locks(conn, args.namespace)
+        rows = advisory_locks(conn, args.namespace, args.entity)
     if args.json:
         for row in rows:
             print(json.dumps(row.as_dict()))
