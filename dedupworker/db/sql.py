@@ -136,7 +136,6 @@ _LOCKS = {
 ClaimLock = Literal["int4", "hash64", "shaped"]
 # The handler's lock_namespace, once per use of it in _LOCKS[mode] (not "shaped"'s).
 LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
-
 _HINT_OF = {"int4": HINT, "hash64": HINT, "shaped": HINTS}
 CLAIM_LOCKING = {
     mode: _CLAIM_LOCKING.format(lock=lock, hint=_HINT_OF[mode], late=LATE)
@@ -280,6 +279,7 @@ BATCH_CLAIM = {
     mode: _BATCH_CLAIMED.format(taken=lock, job_key=_JOB_KEY_TRIED, late=LATE)
     for mode, lock in _LOCKS.items()
 }
+BATCH_CLAIM_OPEN = _BATCH_CLAIMED.format(taken="true", job_key=_JOB_KEY_TRIED, late=LATE)  # shaped
 
 # The same for hot entities (few entities, many jobs each), which a batch engine's thread
 # switches to while its batches come with repeated entities: among the first %s ready jobs

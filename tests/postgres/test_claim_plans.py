@@ -132,6 +132,12 @@ CLAIMS: dict[str, Claim] = {
         (sql.BATCH_CLAIM_PLAN,),
         3 * BATCH,
     ),
+    "BATCH_CLAIM_OPEN (a shaped handler's, its batch locked whole after it)": (
+        sql.BATCH_CLAIM_OPEN,
+        lambda ids: (QUEUE, None, BATCH),
+        (sql.BATCH_CLAIM_PLAN,),
+        3 * BATCH,
+    ),
     "BATCH_CLAIM_SHARED int4": (
         sql.BATCH_CLAIM_SHARED["int4"],
         lambda ids: (QUEUE, BATCH * 4, 8, NS, NS, NS, QUEUE, None, BATCH),

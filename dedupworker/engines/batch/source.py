@@ -149,6 +149,11 @@ class BatchStatements:
         self.timeout = handler.timeout_setting
         self._skip_whole = 0  # advice shared by the threads, updated without a lock
 
+    @property
+    def whole_first(self) -> bool:
+        """A shaped handler's batches are locked whole first (their entities were free)."""
+        return self._skip_whole == 0
+
     def lock(self, batch: Batch, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> Locking:
         """Queue the locks (if any), the handler's savepoint after them (a savepoint rolled
         back releases the locks taken inside it) and the ledger look-up (if any)."""
@@ -158,7 +163,7 @@ class BatchStatements:
                 batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
             if self.shape.plain:
                 refused = self._lock_entities(batch, keys)
-            elif self._skip_whole > 0:
+            elif not self.whole_first:
                 self._skip_whole -= 1
                 refused = self._lock_groups(batch, keys)
             else:

@@ -49,12 +49,17 @@ WINDOW_BATCHES = 2
 SHARE_WORKERS = 4
 
 
+class _Claim(NamedTuple):
+    rows: Result
+    savepoint: bool  # it opened the handler's savepoint
+    locking: bool  # it locked the entities given at enqueue
+
+
 class _Ahead(NamedTuple):
     """A claim made with the thread's last COMMIT, kept for its next step."""
 
     conn: psycopg.Connection[Any]
-    rows: Result
-    savepoint: bool  # it opened the handler's savepoint
+    claim: _Claim
     chain: int  # claims made ahead on this connection in a row
 
 
@@ -106,13 +111,13 @@ class ClaimedBatches:
             if ahead is None:
                 start = Batch(conn)
                 start.execute("BEGIN")
-                rows, savepoint = self._claim(start, size)
+                claim = self._claim(start, size)
                 start.run()
             else:
-                rows, savepoint = ahead.rows, ahead.savepoint
-            claimed = rows.fetchall()
+                claim = ahead.claim
+            claimed = claim.rows.fetchall()
             self._advance(claimed, size)
-            deliveries = self.queue.deliveries(claimed)
+            deliveries = self.queue.deliveries(claimed, claim.locking)
             if not deliveries:
                 conn.execute("ROLLBACK")
         except BaseException:
@@ -122,25 +127,25 @@ class ClaimedBatches:
             self.pool.putconn(conn)
             return None
         call = BatchCall(deliveries, conn)
-        call.savepoint = "clean" if savepoint else None
+        call.savepoint = "clean" if claim.savepoint else None
         call.chain = chain
         return call
 
-    def _claim(self, batch: Batch, size: int) -> tuple[Result, bool]:
+    def _claim(self, batch: Batch, size: int) -> _Claim:
         """Queue a batch's start right after the statement that opens its transaction (BEGIN,
         or the last one's COMMIT AND CHAIN): the claim, planned along the ready index, the
         handler's timeout and, while batches come with their entities given, its savepoint."""
         batch.execute(sql.BATCH_CLAIM_PLAN)
-        rows = self._claim_rows(batch, size)
+        rows, locking = self._claim_rows(batch, size)
         for reset in sql.BATCH_CLAIM_PLAN_RESET:
             batch.execute(reset)
         if self.statements.timeout is not None:
             timeout = self.statements.timeout
             batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))
-        savepoint = self._thread.savepoint_ahead
+        savepoint = self._thread.savepoint_ahead and locking
         if savepoint:
             batch.execute(SAVEPOINT)  # after the claim's locks
-        return rows, savepoint
+        return _Claim(rows, savepoint, locking)
 
     def _advance(self, claimed: list[tuple[Any, ...]], size: int) -> None:
         """Move this thread's cursor past a full claim; back to the head after a short one."""
@@ -150,15 +155,22 @@ class ClaimedBatches:
         """The claim locked the entities given at enqueue: ours if they are the handler's."""
         return self.queue.given_lock(delivery, entities, self._shaped) is True
 
-    def _claim_rows(self, start: Batch, size: int) -> Result:
+    def _claim_rows(self, start: Batch, size: int) -> tuple[Result, bool]:
+        """The claim's statement, and whether it locks the entities given at enqueue: a shaped
+        handler's claims leave them to the batch's whole lock while that finds them free
+        (BatchStatements), and lock them job by job, passing over those held elsewhere, while
+        it does not (each job's lock its own subtransaction)."""
         queue, namespaces = self.queue.queue, self._namespaces
         if time.monotonic() < self._thread.crowded_until:
             window = size * self._threads * WINDOW_BATCHES
             ways = self._threads * SHARE_WORKERS
             self._thread.cursor = None
             params = (queue, window, ways, *namespaces, queue, None, size)
-            return start.execute(self._shared, params)
-        return start.execute(self._claim_sql, (queue, self._thread.claim_from(), *namespaces, size))
+            return start.execute(self._shared, params), True
+        cursor = self._thread.claim_from()
+        if self._shaped and self.statements.whole_first:
+            return start.execute(sql.BATCH_CLAIM_OPEN, (queue, cursor, size)), False
+        return start.execute(self._claim_sql, (queue, cursor, *namespaces, size)), True
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
@@ -196,10 +208,10 @@ class ClaimedBatches:
             return
         settle.execute("COMMIT AND CHAIN")
         settle.tail()  # the next claim: its errors are its own, not this batch's
-        rows, savepoint = self._claim(settle, self.handler.batch_size)
+        claim = self._claim(settle, self.handler.batch_size)
         settle.run()
         call.conn = None
-        self._thread.ahead = _Ahead(conn, rows, savepoint, call.chain + 1)
+        self._thread.ahead = _Ahead(conn, claim, call.chain + 1)
 
     def abandon(self, call: BatchCall) -> None:
         if call.conn is not None:

@@ -36,7 +36,7 @@ class Jobs(Transport, Protocol):
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a claim got."""
 
-    def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
+    def deliveries(self, rows: list[tuple[Any, ...]], locking: bool = True) -> list[Delivery]:
         """The jobs a batch claim got."""
 
     def given_lock(

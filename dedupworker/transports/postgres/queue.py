@@ -158,9 +158,11 @@ class PostgresTransport:
             delivery.in_line = entity
         return delivery
 
-    def deliveries(self, rows: list[tuple[Any, ...]]) -> list[Delivery]:
-        """The jobs a batch claim got (sql.BATCH_CLAIM's columns)."""
+    def deliveries(self, rows: list[tuple[Any, ...]], locking: bool = True) -> list[Delivery]:
+        """The jobs a batch claim got (sql.BATCH_CLAIM's columns; `locking`: it locked the
+        entities given at enqueue)."""
         name, deliveries, job_of = self.name, [], tuple.__new__  # Job(...) without its frame
+        locked = True if locking else None
         for job_id, body, headers, attempts, contentions, contended_since, given, _ in rows:
             message = Message(
                 str(job_id),
@@ -171,7 +173,7 @@ class PostgresTransport:
             )
             # "7" is the entity 7, as the claim locked it
             entity = normalize_entity(given) if type(given) is str else given
-            job = job_of(Job, (job_id, entity, None if entity is None else True))
+            job = job_of(Job, (job_id, entity, None if entity is None else locked))
             delivery = Delivery(message, contentions or 0, job, contended_since)
             if self.ordered:
                 delivery.in_line = entity
