@@ -287,11 +287,18 @@ def _check_shape(handler: Handler) -> None:
             "it takes one entity, one call at a time, exclusively (drop entity_ids, entity_limit "
             "or lock_mode, docs/order.md)"
         )
+    if cls.lock_scope == "session" and shape.shared:
+        raise ConfigurationError(
+            f'{cls.__name__}: lock_mode = "shared" cannot hold on the session-lock engine '
+            '(lock_scope = "session"): its calls hold their entity in shared mode, so that a '
+            "guard session can join the hold, and a shared reader would run beside them; run "
+            'readers and writers with lock_scope = "transaction" (docs/lock-shapes.md)'
+        )
     if cls.lock_scope == "session":
         raise ConfigurationError(
-            f"{cls.__name__}: entity_ids, entity_limit and lock_mode run on the per-message and "
-            'batch engines (lock_scope = "transaction"), not yet on the session-lock engine '
-            '(lock_scope = "session")'
+            f"{cls.__name__}: entity_ids and entity_limit run on the per-message and batch "
+            'engines (lock_scope = "transaction"), not yet on the session-lock engine '
+            '(lock_scope = "session"), whose calls take one key each'
         )
 
 

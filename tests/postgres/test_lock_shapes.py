@@ -212,6 +212,7 @@ def test_the_checkers_see_a_limit_passed_and_a_call_beside_a_writer(
         ({"lock_mode": "shared", "entity_limit": 2}, "shared holders of an entity already run"),
         ({"entity_limit": 2, "ordered": True}, "ordered = True keeps one entity's line"),
         ({"entity_limit": 2, "lock_scope": "session"}, "not yet on the session-lock engine"),
+        ({"lock_mode": "shared", "lock_scope": "session"}, "cannot hold on the session-lock"),
     ],
 )
 def test_a_shape_that_cannot_hold_is_refused_by_name(settings: dict[str, Any], words: str) -> None:
