@@ -110,10 +110,15 @@ def shape_of(
     return LockShape(namespace, mode, several, limit, shared)  # type: ignore[arg-type]
 
 
+_SEQUENCES = (tuple, list)  # what entity_ids() returns most: no ABC check needed
+
+
 def entities_of(returned: Iterable[object]) -> tuple[int | str, ...]:
     """What `entity_ids()` returned, normalized (`7` and `"7"` are one entity), each once, in
     the order given; ValueError for none, too many, or one that cannot be an entity."""
-    if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
+    if type(returned) not in _SEQUENCES and (
+        isinstance(returned, str | bytes) or not isinstance(returned, Iterable)
+    ):
         raise ValueError(
             f"entity_ids() returned {type(returned).__name__} {returned!r}; return a list of "
             "ints or strs"

@@ -4,7 +4,6 @@ elsewhere (engines/batch/source.py, BatchStatements)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -43,8 +42,7 @@ def keys_of(groups: list[tuple[int, ...]]) -> Keys:
     keys = Keys()
     for ordinal, group in enumerate(groups, 1):
         keys.ordinals.append(ordinal)
-        keys.numbers.append(None)
-        keys.texts.append(json.dumps(group))
+        keys.groups.append(group)
         keys.entities.update(dict.fromkeys(group))
     return keys
 

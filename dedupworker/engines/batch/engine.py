@@ -14,7 +14,6 @@ like the other engines'. How the transaction opens and closes belongs to the sou
 from __future__ import annotations
 
 import collections
-import json
 import logging
 from typing import Any
 
@@ -137,7 +136,7 @@ class BatchEngine:
                 continue
             entity, dedup_key = found
             entities[i] = entity
-            # Another lock shape: one group per set of entities, locked as a JSON array.
+            # Another lock shape: one group per set of entities.
             several = delivery.entities or (entity,)
             grouped: object = frozenset(several) if shaped else entity
             group = by_entity.get(grouped)
@@ -150,8 +149,7 @@ class BatchEngine:
                 by_entity[grouped] = [i]
                 keys.ordinals.append(len(by_entity))
                 if shaped:
-                    keys.numbers.append(None)
-                    keys.texts.append(json.dumps(several))
+                    keys.groups.append(several)
                     keys.entities.update(dict.fromkeys(several))
                 elif type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
                     keys.numbers.append(entity)  # keys.session_key's columns, inline

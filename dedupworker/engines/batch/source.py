@@ -14,6 +14,7 @@ savepoint, the ledger look-up, the ledger record) are built here, once.
 from __future__ import annotations
 
 import itertools
+import json
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import psycopg
@@ -77,19 +78,20 @@ class BatchCall:
 
 
 class Keys:
-    """A batch's distinct entities that are still to lock, as the lock statement takes them
-    (keys.session_key's columns: int4 keys, or the text PostgreSQL hashes; for a handler of
-    another lock shape, each group's entities as a JSON array in `texts`, and all of them once
-    each in `entities`), each with the ordinal (from 1) of its entity's group; and how many
-    entities taking the messages locked."""
+    """A batch's distinct entities that are still to lock, each with the ordinal (from 1) of
+    its entity's group, as the lock statement takes them: keys.session_key's columns (int4
+    keys, or the text PostgreSQL hashes); for a handler of another lock shape, each group's
+    entities (`groups`) and all of them once each (`entities`). And how many entities taking
+    the messages locked."""
 
-    __slots__ = ("entities", "numbers", "ordinals", "prelocked", "texts")
+    __slots__ = ("entities", "groups", "numbers", "ordinals", "prelocked", "texts")
 
     def __init__(self) -> None:
+        self.ordinals: list[int] = []
         self.numbers: list[int | None] = []
         self.texts: list[str | None] = []
-        self.ordinals: list[int] = []
-        self.entities: dict[int | str, None] = {}  # a shaped handler's, in order, each once
+        self.groups: list[tuple[int | str, ...]] = []
+        self.entities: dict[int | str, None] = {}  # in order, each once
         self.prelocked = 0
 
 
@@ -158,7 +160,7 @@ class BatchStatements:
         """Queue the locks (if any), the handler's savepoint after them (a savepoint rolled
         back releases the locks taken inside it) and the ledger look-up (if any)."""
         whole = refused = None
-        if keys.texts:
+        if keys.ordinals:
             if call.savepoint is not None:
                 batch.execute(RELEASE_SAVEPOINT)  # opened with the claim: reopened after the locks
             if self.shape.plain:
@@ -201,10 +203,12 @@ class BatchStatements:
         return batch.execute(sql.BATCH_LOCK["int4"], (keys.numbers, keys.texts, ns, ns))
 
     def _lock_groups(self, batch: Batch, keys: Keys) -> Result:
-        """Another shape's, message by message: each group's entities all or none."""
+        """Another shape's, message by message: each group's entities all or none (each a
+        JSON array)."""
         shape = self.shape
         shaped = try_keys_params(self.namespace, self.mode == "hash64", shape.limit, shape.shared)
-        return batch.execute(sql.BATCH_LOCK["shaped"], (keys.texts, *shaped))
+        groups = [json.dumps(group) for group in keys.groups]
+        return batch.execute(sql.BATCH_LOCK["shaped"], (groups, *shaped))
 
     def end(self, batch: Batch, call: BatchCall) -> None:
         """Queue what ends a batch before its settlement: the savepoint released (what the

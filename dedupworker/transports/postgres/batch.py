@@ -174,8 +174,8 @@ class ClaimedBatches:
 
     def lock(self, call: BatchCall, keys: Keys, dedup_keys: list[str]) -> tuple[set[int], set[str]]:
         assert call.conn is not None
-        self._thread.savepoint_ahead = not keys.texts
-        if not keys.texts and not dedup_keys and call.savepoint is not None:
+        self._thread.savepoint_ahead = not keys.ordinals
+        if not keys.ordinals and not dedup_keys and call.savepoint is not None:
             return set(), set()  # every entity locked by the claim, the savepoint open
         batch = Batch(call.conn)
         locking = self.statements.lock(batch, call, keys, dedup_keys)
