@@ -138,6 +138,21 @@ ARRAY_KEYS = """ARRAY(
                          ELSE hashtext(t)::int8 END
     FROM unnest(%s::int4[], %s::text[]) AS entity(n, t) ORDER BY 1)"""
 
+# Every key of a batch at once, one lock per entity (entity_limit 1, exclusive or shared), in
+# one statement without a function (200 keys: about 0.2 ms of server time, where
+# try_entity_keys's call per key took 0.55): false when one is held elsewhere, and then the
+# batch engine rolls back the savepoint it opened before it, which releases what it took.
+# Parameters: wide, the namespace, then ARRAY_KEYS's.
+TRY_ALL_KEYS = {
+    shared: f"""SELECT coalesce(bool_and(CASE WHEN %s::bool THEN {function}(k)
+                                   ELSE {function}(%s::int4, k::int4) END), true)
+FROM unnest({ARRAY_KEYS}) AS k"""
+    for shared, function in (
+        (False, "pg_try_advisory_xact_lock"),
+        (True, "pg_try_advisory_xact_lock_shared"),
+    )
+}
+
 # Every entity of a call in its handler's shape, all or none: parameters the namespace, the
 # keys' (json_keys or ARRAY_KEYS), wide, entity_limit, shared.
 TRY_KEYS = "dedupworker.try_entity_keys(%s::int4, {keys}, %s::bool, %s::int4, %s::bool)"

@@ -79,14 +79,23 @@ class LockShape:
         if self.plain and len(entities) == 1:
             return lock_key(self.namespace, entities[0], self.mode)
         wide = self.mode == "hash64"
-        # tuples, sent as arrays: the key is hashable (the worker's threads take turns by it)
+        numbers, texts = self.columns(entities)
+        ns = self.namespace
+        params = (ns, wide, ns, numbers, texts, wide, self.limit, self.shared)
+        return LockKey(self.namespace, entities[0], _TRY_ENTITY_LOCKS, params)
+
+    def columns(
+        self, entities: tuple[int | str, ...]
+    ) -> tuple[tuple[int | None, ...], tuple[str | None, ...]]:
+        """`entities` (normalized) as ARRAY_KEYS takes them: the int4 ones, and the others as
+        text (tuples, sent as arrays: a LockKey is hashable, the worker's threads take turns
+        by it)."""
+        wide = self.mode == "hash64"
         numbers = tuple(None if wide else _int4(entity) for entity in entities)
         texts = tuple(
             None if n is not None else str(e) for n, e in zip(numbers, entities, strict=True)
         )
-        ns = self.namespace
-        params = (ns, wide, ns, numbers, texts, wide, self.limit, self.shared)
-        return LockKey(self.namespace, entities[0], _TRY_ENTITY_LOCKS, params)
+        return numbers, texts
 
 
 def _int4(entity: int | str) -> int | None:

@@ -37,6 +37,10 @@ class Limited(Transfer):
     entity_limit: ClassVar[int] = 2
 
 
+class Readers(Transfer):
+    lock_mode = "shared"
+
+
 def keys_of(groups: list[tuple[int, ...]]) -> Keys:
     """The Keys the batch engine builds for these groups of entities, none locked yet."""
     keys = Keys()
@@ -51,7 +55,7 @@ def held(conn: psycopg.Connection[Any]) -> set[int]:
     """The keys of namespace NS this session holds (slot 0 of each entity: the entity)."""
     rows = conn.execute(
         "SELECT objid::int8 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
-        " AND classid = %s AND pid = pg_backend_pid()",
+        " AND classid = %s AND pid = pg_backend_pid() AND granted",
         (NS,),
     ).fetchall()
     return {int(o) - (2**32 if o >= 2**31 else 0) for (o,) in rows}  # oid: an int4 key unsigned
@@ -88,6 +92,22 @@ def test_a_batch_whose_entities_are_free_is_locked_whole(conns: Any) -> None:
     refused, _ = lock(statements, ours, keys_of(GROUPS))
     assert refused == set()
     assert held(ours) == {1, 2, 3, 4, 5, 6, 7}
+    ours.execute(ROLLBACK_TO_SAVEPOINT)  # a call rolled back keeps them
+    assert held(ours) == {1, 2, 3, 4, 5, 6, 7}
+
+
+def test_shared_holders_of_a_batch_beside_another_shared_holder(conns: Any) -> None:
+    ours, other = conns
+    other.execute("SELECT pg_advisory_xact_lock_shared(%s, 3)", (NS,))
+    refused, _ = lock(BatchStatements(Readers()), ours, keys_of(GROUPS))
+    assert refused == set()
+    assert held(ours) == {1, 2, 3, 4, 5, 6, 7}
+    ours.rollback()
+    other.rollback()
+    other.execute("SELECT pg_advisory_xact_lock(%s, 3)", (NS,))  # a writer
+    refused, _ = lock(BatchStatements(Readers()), ours, keys_of(GROUPS))
+    assert refused == {2}
+    assert held(ours) == {1, 2, 5, 6, 7}
 
 
 def test_one_entity_held_elsewhere_makes_only_its_message_contended(conns: Any) -> None:

@@ -22,7 +22,7 @@ import psycopg
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
-from dedupworker.db.shapes_sql import try_keys_params
+from dedupworker.db.shapes_sql import TRY_ALL_KEYS, try_keys_params
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out_many
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 SAVEPOINT = "SAVEPOINT dedupworker_batch"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_batch"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_batch"
+# Around the whole batch's locks (BatchStatements): rolled back if one was held elsewhere.
+WHOLE_SAVEPOINT = "SAVEPOINT dedupworker_whole"
+ROLLBACK_TO_WHOLE = "ROLLBACK TO SAVEPOINT dedupworker_whole"
 RECEIVE_MAX = 10  # what one SQS receive returns at most
 
 
@@ -169,8 +172,7 @@ class BatchStatements:
                 self._skip_whole -= 1
                 refused = self._lock_groups(batch, keys)
             else:
-                whole_key = self.shape.key(tuple(keys.entities))
-                whole = batch.execute(whole_key.sql, whole_key.params)
+                whole = self._lock_whole(batch, keys)
             call.savepoint = None
         if call.savepoint is None:
             batch.execute(SAVEPOINT)
@@ -187,13 +189,29 @@ class BatchStatements:
             self._skip_whole = WHOLE_SKIP
             assert call.conn is not None
             batch = Batch(call.conn)
-            batch.execute(RELEASE_SAVEPOINT)  # still clean: the locks go before it
+            if self.shape.limit == 1:
+                batch.execute(ROLLBACK_TO_WHOLE)  # what it took, and the handler's savepoint
+            else:
+                batch.execute(RELEASE_SAVEPOINT)  # still clean: the locks go before it
             refused = self._lock_groups(batch, keys)
             batch.execute(SAVEPOINT)
             batch.run()
         held = set() if refused is None else {row[0] for row in refused.fetchall()}
         seen = locking.seen
         return held, set() if seen is None else {row[0] for row in seen.fetchall()}
+
+    def _lock_whole(self, batch: Batch, keys: Keys) -> Result:
+        """Another shape's, the whole batch at once: with one lock per entity in a statement
+        of its own, in a savepoint that `answer` rolls back if it took only some; with slots,
+        in `try_entity_keys`, which takes all or none."""
+        shape, entities = self.shape, tuple(keys.entities)
+        if shape.limit > 1:
+            whole_key = shape.key(entities)
+            return batch.execute(whole_key.sql, whole_key.params)
+        batch.execute(WHOLE_SAVEPOINT)
+        wide, ns = self.mode == "hash64", self.namespace
+        numbers, texts = shape.columns(entities)
+        return batch.execute(TRY_ALL_KEYS[shape.shared], (wide, ns, wide, ns, numbers, texts))
 
     def _lock_entities(self, batch: Batch, keys: Keys) -> Result:
         """The default shape's: each entity's key, those held elsewhere come back."""
