@@ -20,6 +20,8 @@ Throughput is jobs per second from the first job's commit to the last one's, see
 server's CPU per job (bench.server_cpu).
 
 Run from the repository root:  python -m bench.lock_shapes [--rounds 5]
+Against another tree's worker:  python -m bench.trees --before <worktree> --rounds 5 -- \
+                                    -m bench.lock_shapes --rounds 1
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.draining import Workers, measured, run_dedupworker
+from bench.draining import REPO, Workers, measured, run_dedupworker
 from bench.server_cpu import postmaster_pid
 from dedupworker import Message, enqueue
 from dedupworker.db.schema import migrate
@@ -76,7 +79,7 @@ def run(
     bodies = [{"entity": n, "other": n + 1_000_000} for n in range(count)]
     ids = enqueue(conn, "shapes", bodies, entity=given)
     conn.execute("VACUUM ANALYZE dedupworker.jobs")
-    workers = Workers(handler=handler)
+    workers = Workers(handler=handler, tree=args.tree)
     measure = measured(
         pid,
         lambda: run_dedupworker(dsn, "shapes", (ids[0], ids[-1]), args.concurrency, workers),
@@ -89,6 +92,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--batch-messages", type=int, default=100_000)
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO,
+        help="run the worker of this source tree (a `git worktree`; bench/trees.py)",
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args()
     print("$ python -m bench.lock_shapes " + shlex.join(sys.argv[1:]), flush=True)
