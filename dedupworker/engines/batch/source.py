@@ -136,8 +136,9 @@ class BatchSource(Protocol):
 
 
 # A shaped handler's batch is locked whole first: every entity of its messages in one
-# `try_entity_keys`, one subtransaction for the batch where a lock per message cost one each
-# (bench/README.md, lock_shapes). When one of them is held elsewhere it takes none, and the
+# statement (shapes_sql.TRY_ALL_KEYS in a savepoint of its own; with slots, one
+# `try_entity_keys`), one subtransaction for the batch where a lock per message cost one each
+# (bench/README.md, lock_shapes). When one of them is held elsewhere it keeps none, and the
 # messages are locked one by one, each all or none, in a second round trip; the next
 # WHOLE_SKIP batches then go straight to that (their entities are contended).
 WHOLE_SKIP = 8
