@@ -31,12 +31,11 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.draining import REPO, Workers, measured, run_dedupworker
+from bench.draining import Workers, add_worker_options, measured, run_dedupworker
 from bench.server_cpu import postmaster_pid
 from dedupworker import Message, enqueue
 from dedupworker.db.schema import migrate
@@ -79,7 +78,7 @@ def run(
     bodies = [{"entity": n, "other": n + 1_000_000} for n in range(count)]
     ids = enqueue(conn, "shapes", bodies, entity=given)
     conn.execute("VACUUM ANALYZE dedupworker.jobs")
-    workers = Workers(handler=handler, tree=args.tree)
+    workers = Workers(args.processes, args.cpu, handler, args.tree)
     measure = measured(
         pid,
         lambda: run_dedupworker(dsn, "shapes", (ids[0], ids[-1]), args.concurrency, workers),
@@ -92,12 +91,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--batch-messages", type=int, default=100_000)
-    parser.add_argument(
-        "--tree",
-        type=Path,
-        default=REPO,
-        help="run the worker of this source tree (a `git worktree`; bench/trees.py)",
-    )
+    add_worker_options(parser)
     parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args()
     print("$ python -m bench.lock_shapes " + shlex.join(sys.argv[1:]), flush=True)

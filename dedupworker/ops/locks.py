@@ -17,7 +17,7 @@ import psycopg
 
 from dedupworker.db import sql
 from dedupworker.db.schema import INTERNAL_NAMESPACE
-from dedupworker.decide.keys import decode_pg_locks_key, fits_int4, normalize_entity
+from dedupworker.decide.keys import decode_pg_locks_key, normalize_entity, session_key
 from dedupworker.decide.shapes import MAX_LIMIT
 from dedupworker.errors import SchemaMissing
 from dedupworker.ops.admin import sql as admin_sql
@@ -114,13 +114,8 @@ def advisory_locks(
 
 def _slot_keys(conn: psycopg.Connection[Any], entity: int | str) -> dict[int, int]:
     """Each key an entity's slots lock (int4 key mode), with its slot number."""
-    value = normalize_entity(entity)
-    number = value if isinstance(value, int) and fits_int4(value) else None
-    rows = conn.execute(
-        "SELECT dedupworker.slot_key(coalesce(%s::int4, hashtext(%s::text)), s), s"
-        " FROM generate_series(0, %s - 1) AS s",
-        (number, None if number is not None else str(value), MAX_LIMIT),
-    ).fetchall()
+    key = session_key(0, normalize_entity(entity))
+    rows = conn.execute(admin_sql.SLOT_KEYS, (key.number, key.text, MAX_LIMIT)).fetchall()
     return {key: slot for key, slot in rows}
 
 

@@ -190,10 +190,7 @@ class BatchStatements:
             self._skip_whole = WHOLE_SKIP
             assert call.conn is not None
             batch = Batch(call.conn)
-            if self.shape.limit == 1:
-                batch.execute(ROLLBACK_TO_WHOLE)  # what it took, and the handler's savepoint
-            else:
-                batch.execute(RELEASE_SAVEPOINT)  # still clean: the locks go before it
+            batch.execute(ROLLBACK_TO_WHOLE)  # what it took, and the handler's savepoint
             refused = self._lock_groups(batch, keys)
             batch.execute(SAVEPOINT)
             batch.run()
@@ -202,14 +199,14 @@ class BatchStatements:
         return held, set() if seen is None else {row[0] for row in seen.fetchall()}
 
     def _lock_whole(self, batch: Batch, keys: Keys) -> Result:
-        """Another shape's, the whole batch at once: with one lock per entity in a statement
-        of its own, in a savepoint that `answer` rolls back if it took only some; with slots,
-        in `try_entity_keys`, which takes all or none."""
+        """Another shape's, the whole batch at once, in a savepoint that `answer` rolls back
+        when one entity was held elsewhere: one lock per entity in a statement of its own, or
+        with slots `try_entity_keys` (which takes all or none itself)."""
         shape, entities = self.shape, tuple(keys.entities)
+        batch.execute(WHOLE_SAVEPOINT)
         if shape.limit > 1:
             whole_key = shape.key(entities)
             return batch.execute(whole_key.sql, whole_key.params)
-        batch.execute(WHOLE_SAVEPOINT)
         wide, ns = self.mode == "hash64", self.namespace
         numbers, texts = shape.columns(entities)
         return batch.execute(TRY_ALL_KEYS[shape.shared], (wide, ns, wide, ns, numbers, texts))

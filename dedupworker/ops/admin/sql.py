@@ -31,6 +31,13 @@ WHERE l.locktype = 'advisory'
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, a.application_name, l.pid
 """
 
+# `dedupworker locks --entity`: the keys of an entity's slots (int4 key mode: its int4 key, or
+# the hash of its text, as keys.session_key gives them) with their numbers.
+SLOT_KEYS = """
+SELECT dedupworker.slot_key(coalesce(%s::int4, hashtext(%s::text)), s), s
+FROM generate_series(0, %s - 1) AS s
+"""
+
 # Reads take no row locks: a row the console locked FOR UPDATE is one every claim skips.
 
 # Per queue: due and delayed ready jobs, dead jobs, the oldest due job's age, the jobs in flight
