@@ -294,11 +294,11 @@ def _check_shape(handler: Handler) -> None:
             "guard session can join the hold, and a shared reader would run beside them; run "
             'readers and writers with lock_scope = "transaction" (docs/lock-shapes.md)'
         )
-    if cls.lock_scope == "session":
+    if cls.lock_scope == "session" and shape.limit > 1:
         raise ConfigurationError(
-            f"{cls.__name__}: entity_ids and entity_limit run on the per-message and batch "
-            'engines (lock_scope = "transaction"), not yet on the session-lock engine '
-            '(lock_scope = "session"), whose calls take one key each'
+            f"{cls.__name__}: entity_limit runs on the per-message and batch engines "
+            '(lock_scope = "transaction"), not yet on the session-lock engine (lock_scope = '
+            '"session"), whose calls hold one key per entity; entity_ids runs on all three'
         )
 
 

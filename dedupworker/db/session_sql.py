@@ -36,6 +36,27 @@ WHERE CASE WHEN {_on_key("pg_try_advisory_lock")} THEN
                ELSE NOT {_on_key("pg_advisory_unlock")} END
       ELSE false END
 """
+# A call of several entities (Handler.entity_ids): all its keys or none, in one statement. The
+# keys come as SESSION_LOCK's with the ordinal of their call (`g`), are resolved, sorted and
+# taken once each by dedupworker.try_session_keys (migration 11) in that order, which gives
+# back what it took on the first key it cannot take: one row per key of each call locked.
+SESSION_LOCK_SEVERAL = """
+SELECT g, unnest(ns) AS ns, unnest(k) AS k, unnest(single) AS single
+FROM (
+    SELECT g, array_agg(ns ORDER BY ns, k, single) AS ns, array_agg(k ORDER BY ns, k, single) AS k,
+           array_agg(single ORDER BY ns, k, single) AS single
+    FROM (
+        SELECT DISTINCT g, ns,
+               CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
+               CASE WHEN wide THEN hashtextextended(txt, ns) END AS single
+        FROM unnest(%s::int4[], %s::int4[], %s::int4[], %s::text[], %s::bool[])
+             AS t(g, ns, num, txt, wide)
+    ) keys
+    GROUP BY g
+    OFFSET 0
+) calls
+WHERE dedupworker.try_session_keys(ns, k, single)
+"""
 _RESOLVED = "unnest(%s::int4[], %s::int4[], %s::int8[]) WITH ORDINALITY AS t(ns, k, single, i)"
 # The ledger look-up of many calls, sent after their locks (it sees what their entities'
 # earlier calls committed): the (scope, key) pairs the ledger has.

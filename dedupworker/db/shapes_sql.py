@@ -107,6 +107,44 @@ END
 $fn$;
 """
 
+# Migration 11: the session-lock engine's several keys of one call, sorted and each once (the
+# caller's: session_sql.SESSION_LOCK_SEVERAL), as PostgreSQL's lock functions take them
+# ((ns, k), or the bigint `single` where k is NULL), all or none. Each is taken exclusively,
+# then held in shared mode (as session_sql.SESSION_LOCK takes one: a guard session joins the
+# hold); on the first that is held elsewhere, or whose shared hold an exclusive waiter refuses,
+# the holds it took go back (session locks outlive a subtransaction: they are unlocked).
+SESSION_SHAPES = """
+CREATE FUNCTION dedupworker.try_session_keys(ns int4[], k int4[], single int8[])
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    n int4 := coalesce(cardinality(ns), 0);
+    taken int4 := 0;
+    got boolean;
+BEGIN
+    FOR i IN 1 .. n LOOP
+        got := CASE WHEN single[i] IS NULL THEN pg_try_advisory_lock(ns[i], k[i])
+                    ELSE pg_try_advisory_lock(single[i]) END;
+        IF got THEN
+            got := CASE WHEN single[i] IS NULL THEN pg_try_advisory_lock_shared(ns[i], k[i])
+                        ELSE pg_try_advisory_lock_shared(single[i]) END;
+            PERFORM CASE WHEN single[i] IS NULL THEN pg_advisory_unlock(ns[i], k[i])
+                         ELSE pg_advisory_unlock(single[i]) END;
+        END IF;
+        IF NOT got THEN
+            FOR j IN 1 .. taken LOOP
+                PERFORM CASE WHEN single[j] IS NULL THEN pg_advisory_unlock_shared(ns[j], k[j])
+                             ELSE pg_advisory_unlock_shared(single[j]) END;
+            END LOOP;
+            RETURN false;
+        END IF;
+        taken := i;
+    END LOOP;
+    RETURN n > 0;
+END
+$fn$;
+"""
+
 
 def json_keys(entities: str) -> str:
     """SQL: the lock keys (int8[], sorted, each once) of `entities`, an SQL expression of a

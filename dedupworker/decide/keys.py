@@ -112,6 +112,15 @@ def session_key(namespace: int, entity: int | str, mode: KeyMode = "int4") -> Se
     return SessionKey(namespace, None, str(entity), False)
 
 
+def session_keys(
+    namespace: int, entities: tuple[int | str, ...], mode: KeyMode = "int4"
+) -> tuple[SessionKey, ...]:
+    """`session_key` of each entity (normalized, each once), sorted in the one order every
+    caller takes local turns in (dedupworker.decide.turns.AsyncTurns)."""
+    keys = {session_key(namespace, entity, mode) for entity in entities}
+    return tuple(sorted(keys, key=lambda k: (k.number is None, k.number or 0, k.text or "")))
+
+
 def int4_of(text: str) -> int | str:
     """A canonical decimal string as its int when it fits int4, else the string itself."""
     value = int(text)

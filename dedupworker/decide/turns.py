@@ -69,7 +69,8 @@ class LocalTurns:
 
 
 class HoldsTurn(Protocol):
-    """A call as `AsyncTurns` sees it: the key whose turn it holds, and whether it waited."""
+    """A call as `AsyncTurns` sees it: the keys whose turns it holds (a tuple, in the order
+    taken), and whether it waited."""
 
     turn: Hashable | None
     met_busy: bool
@@ -77,13 +78,19 @@ class HoldsTurn(Protocol):
 
 class AsyncTurns:
     """Turns on one event loop: the messages of one entity run one at a time, in the order they
-    came; every one waits (no limit, no timeout: the loop holds no thread while it waits)."""
+    came; every one waits (no limit, no timeout: the loop holds no thread while it waits). A
+    message of several entities takes their turns one after the other in the order given,
+    which every caller must sort alike (so that no two wait for each other)."""
 
     def __init__(self) -> None:
         self._waiting: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
 
-    async def take(self, call: HoldsTurn, key: Hashable) -> None:
-        """Wait, in order, while another message of this entity runs in this process."""
+    async def take(self, call: HoldsTurn, keys: tuple[Hashable, ...]) -> None:
+        """Wait, in order, while another message of these entities runs in this process."""
+        for key in keys:
+            await self._take(call, key)
+
+    async def _take(self, call: HoldsTurn, key: Hashable) -> None:
         waiters = self._waiting.get(key)
         if waiters is None:
             self._waiting[key] = collections.deque()
@@ -95,22 +102,22 @@ class AsyncTurns:
                 await turn
             except asyncio.CancelledError:
                 if turn.done() and not turn.cancelled() and turn.exception() is None:
-                    call.turn = key  # granted just before the cancel: `end` passes it on
+                    call.turn = (*_held(call), key)  # granted just before: `end` passes it on
                 raise
-        call.turn = key
+        call.turn = (*_held(call), key)
 
     def end(self, call: HoldsTurn) -> None:
-        """The call's turn passes to the next waiting message of its entity."""
-        key, call.turn = call.turn, None
-        if key is None:
-            return
-        waiters = self._waiting[key]
-        while waiters:
-            turn = waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
-        del self._waiting[key]
+        """The call's turns pass to the next waiting message of each of its entities."""
+        keys, call.turn = _held(call), None
+        for key in keys:
+            waiters = self._waiting[key]
+            while waiters:
+                turn = waiters.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    break
+            else:
+                del self._waiting[key]
 
     def stop(self, error: Exception) -> None:
         """Stopping: every waiting message goes back at once, `error` raised in its `take`."""
@@ -118,3 +125,8 @@ class AsyncTurns:
             for turn in waiters:
                 if not turn.done():
                     turn.set_exception(error)
+
+
+def _held(call: HoldsTurn) -> tuple[Hashable, ...]:
+    held = call.turn
+    return held if isinstance(held, tuple) else ()

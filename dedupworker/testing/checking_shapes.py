@@ -5,6 +5,9 @@ the verdicts read back from those records.
 - `TransferCheckedHandler` (`entity_ids`: both accounts of a transfer) records one call row per
   account, and moves the amount by reading both balances, pausing, and writing them back: two
   calls that shared an account at once would lose an update, and the balances would not add up.
+- `SessionTransferCheckedHandler`: the same transfers on the session-lock engine (an
+  `async def handle`; the balances read under the locks, the new ones queued to commit with the
+  settlement), each account's call row ended as `checking_sessions` ends a call.
 - `LimitedCheckedHandler` (`entity_limit = 3`): `max_concurrency` replays each entity's calls.
 - `SharedReaderCheckedHandler` (`lock_mode = "shared"`) and `ExclusiveWriterCheckedHandler` on
   the same entities: `mode_overlaps` counts readers that ran together (they may) and calls that
@@ -17,12 +20,14 @@ killed mid-way has no end and is left out.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
 
 import psycopg
 
+from dedupworker.engines.session import AsyncCallConnection, SessionLost
 from dedupworker.handler import BatchHandler
 from dedupworker.message import Message
 from dedupworker.testing.checking import (
@@ -32,6 +37,14 @@ from dedupworker.testing.checking import (
     create_tables,
     effect,
     now,
+)
+from dedupworker.testing.checking_sessions import (
+    _EFFECT,
+    _RETURNED,
+    _SETTLED,
+    _START,
+    SESSION_TABLES,
+    SessionCheckedHandler,
 )
 
 SHAPE_TABLES = """
@@ -75,9 +88,11 @@ FROM w a JOIN w b
 
 
 def create_shape_tables(conn: psycopg.Connection[Any], accounts: int = 0, balance: int = 0) -> None:
-    """The checker's tables, and `accounts` accounts (0 ..) holding `balance` each."""
+    """The checker's tables (the session-lock handlers' too), and `accounts` accounts (0 ..)
+    holding `balance` each."""
     create_tables(conn)
     conn.execute(SHAPE_TABLES.encode())
+    conn.execute(SESSION_TABLES.encode())
     conn.execute(
         "INSERT INTO check_accounts SELECT a, %s FROM generate_series(0, %s - 1) a",
         (balance, accounts),
@@ -133,6 +148,48 @@ class TransferCheckedHandler(CheckedHandler):
         ).fetchone()
         if calls and row is not None:
             self._record("UPDATE check_calls SET ended_at = %s WHERE id = ANY(%s)", (row[0], calls))
+
+
+class SessionTransferCheckedHandler(SessionCheckedHandler):
+    """`TransferCheckedHandler` on the session-lock engine: both balances read under the locks
+    (a pooled read sees every earlier settlement of either account), a pause, the new balances
+    queued with `conn.execute` (they commit with the settlement, before the locks go); a call
+    row per account, ended as `checking_sessions.SessionCheckedHandler` ends its one."""
+
+    def entity_ids(self, message: Message) -> tuple[int, int]:
+        body = message.json()
+        return int(body["from"]), int(body["to"])
+
+    async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
+        body = message.json()
+        accounts, at = (int(body["from"]), int(body["to"])), now()
+        starts = [(str(body["msg"]), str(a), os.getpid(), at) for a in accounts]
+        begun = [asyncio.ensure_future(self._side.record(_START, start)) for start in starts]
+        try:
+            calls = await asyncio.shield(asyncio.gather(*begun))
+            rows = await conn.fetchall(
+                "SELECT account, balance FROM check_accounts WHERE account = ANY(%s)",
+                (list(accounts),),
+            )
+            read = {int(account): int(balance) for account, balance in rows}
+            await asyncio.sleep(float(body.get("work_ms", 2)) / 1000)
+            amount = int(body["amount"])
+            for account, change in ((accounts[0], -amount), (accounts[1], amount)):
+                conn.execute(
+                    "UPDATE check_accounts SET balance = %s WHERE account = %s",
+                    (read[account] + change, account),
+                )
+            conn.execute(_EFFECT, effect({**body, "entity": accounts[0]}))
+            ended = now()
+            for call in calls:
+                if call is not None:
+                    conn.execute(_SETTLED, (call,))
+                    await asyncio.shield(self._side.record(_RETURNED, (ended, call), keep=True))
+        except (asyncio.CancelledError, SessionLost):
+            cut = now()
+            for started in begun:
+                await asyncio.shield(self._cut_off(started, cut))
+            raise
 
 
 class BatchTransferCheckedHandler(BatchHandler, TransferCheckedHandler):

@@ -49,6 +49,7 @@ from tests.postgres.test_transaction_faults import (
 )
 from tests.support.acceptance import worker
 from tests.support.checked_calls import scalar
+from tests.support.loops import run_loop
 from tests.support.proxy import Proxy
 from tests.support.session_handlers import TABLES
 
@@ -263,12 +264,13 @@ async def _in_flight(kind: str, direct: str, through: str, proxy: Proxy) -> Answ
     holder = await LockSession.open(direct, 0, "dedupworker-locks-0:fault-test")
     session = await LockSession.open(through, 1, "dedupworker-locks-1:fault-test")
     try:
-        ((key, *_),) = await holder.lock([Lock(session_key(47, 1, "int4"), None)])
-        assert key is not None
+        ((keys, *_),) = await holder.lock([Lock((session_key(47, 1, "int4"),), None)])
+        assert keys is not None
+        (key,) = keys
         if kind == "unlock":
             assert await session.guard([key]) == [True]
         requests: dict[str, Callable[[], Awaitable[Any]]] = {
-            "lock": lambda: session.lock([Lock(session_key(47, 2, "int4"), None)]),
+            "lock": lambda: session.lock([Lock((session_key(47, 2, "int4"),), None)]),
             "guard": lambda: session.guard([key]),
             "unlock": lambda: session.unlock([key]),
             "settlement": lambda: session.settle(Settlement(["SELECT 1"], [], [])),
@@ -378,3 +380,26 @@ def test_sigterm_while_the_main_thread_holds_the_stop_events_lock_is_noted_not_w
             time.sleep(0)  # the handler runs by the next bytecodes at the latest
         assert signalled == [signal.SIGTERM]
     assert not stop_event.is_set()
+
+
+def test_a_session_closed_as_its_wait_for_work_ends_still_closes(dsn: str) -> None:
+    """The cancellation of `close` lands just as the session's wait for work has ended (a
+    request woke it): the session must stop. With `asyncio.wait_for` (Python 3.11) the wait
+    returned and swallowed the cancellation, and the session ran on, pinging, while `close` (a
+    worker's shutdown) waited for it for ever (seen 1 run in 5 of a test that closed a session
+    on a loaded machine)."""
+
+    async def main() -> bool:
+        session = await LockSession.open(dsn, 0, "dedupworker-locks-0:close-test")
+        task = session._task
+        assert task is not None
+        await asyncio.sleep(0.05)  # in its wait for work
+        session._wake.set()
+        for _ in range(2):  # the wait's inner task ends, then wakes the session's
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        await session.close()
+        return task in done
+
+    assert run_loop(main)

@@ -25,6 +25,7 @@ from tests.conftest import clean_env
 from tests.support.shapes import (
     ENGINES,
     HANDLERS,
+    TRANSFER_ENGINES,
     assert_clean,
     assert_no_deadlock,
     both,
@@ -60,7 +61,7 @@ def workers(aws: SqsServer, url: str, dsn: str, logs: Path, handler: str) -> Wor
     return WorkerProcesses(env, logs, args, drain_limit=300)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", TRANSFER_ENGINES)
 def test_transfers_hold_both_accounts_and_every_balance_adds_up(
     aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:

@@ -29,8 +29,10 @@ HANDLERS = {
         "reader": f"{SHAPES}:BatchSharedReaderCheckedHandler",
         "writer": f"{SHAPES}:BatchExclusiveWriterCheckedHandler",
     },
+    "session": {"transfer": f"{SHAPES}:SessionTransferCheckedHandler"},  # entity_ids alone
 }
-ENGINES = sorted(HANDLERS)
+ENGINES = ["batch", "transaction"]  # every shape
+TRANSFER_ENGINES = sorted(HANDLERS)  # several entities
 
 
 def transfers(messages: int, accounts: int, seed: int = 5) -> list[dict[str, Any]]:

@@ -59,13 +59,13 @@ WRITABLE = frozenset({S.RUNNING, S.SETTLING})
 
 
 class SessionCall(Call):
-    """A message from taken to ended: its state, its sessions, its lock."""
+    """A message from taken to ended: its state, its sessions, its locks."""
 
     __slots__ = (
         "call_conn",
         "cut_off",
         "guard",
-        "key",
+        "keys",
         "locked_row",
         "primary",
         "read_failed",
@@ -80,8 +80,8 @@ class SessionCall(Call):
         self.state = S.TAKEN
         self.primary = primary  # the session of its claim and its lock
         self.guard: LockSession | None = None  # the session holding its key beside
-        self.key: SessionKey | None = None
-        self.resolved: Resolved | None = None  # the entity lock, while its primary holds it
+        self.keys: tuple[SessionKey, ...] = ()  # its entities' (sorted, each once)
+        self.resolved: tuple[Resolved, ...] = ()  # the entity locks, while its primary holds them
         self.locked_row: tuple[Any, ...] | None = None  # Handler.lock_read's row
         self.read_failed: psycopg.Error | None = None  # ... or its error
         self.call_conn: AsyncCallConnection | CallConnection | None = None
@@ -118,7 +118,7 @@ class SessionCall(Call):
     @property
     def unguarded(self) -> bool:
         """Running with its key held on its primary alone (its guard session was lost)."""
-        return self.state is S.RUNNING and self.guard is None and self.resolved is not None
+        return self.state is S.RUNNING and self.guard is None and bool(self.resolved)
 
 
 def _index(session: LockSession | None) -> str:

@@ -274,7 +274,8 @@ class SessionEngine:
     async def _wait_for_room(self) -> None:
         self._room.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._room.wait(), self.config.poll_interval)
+            async with asyncio.timeout(self.config.poll_interval):
+                await self._room.wait()
 
     async def _take(self, room: int) -> int | None:
         """Messages taken (None: none can be, no lock session being open)."""

@@ -58,6 +58,10 @@ log = logging.getLogger("dedupworker")
 
 T = TypeVar("T")
 
+# Every deadline in this engine is `asyncio.timeout`, never `asyncio.wait_for`: on Python 3.11,
+# wait_for returns the inner result when a cancellation arrives just as the inner awaitable
+# completes, swallowing the cancellation. A session closed at that moment (its wait for work
+# just woken) ran on, pinging, and `close` (a worker's shutdown) waited for it for ever.
 PING_EVERY = 0.25  # seconds between pings of an idle session
 PING_DEADLINE = 1.0  # a ping unanswered this long: the session is lost
 # A command (a settlement's commit, a claim) unanswered this long: the session is lost. Long
@@ -190,7 +194,8 @@ class LockSession(Requests):
             loop.add_reader(fd, self._wake.set)
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), PING_EVERY)
+                    async with asyncio.timeout(PING_EVERY):
+                        await self._wake.wait()
             finally:
                 loop.remove_reader(fd)
             self._wake.clear()
@@ -199,11 +204,13 @@ class LockSession(Requests):
             await self._ping()
 
     async def _ping(self) -> None:
-        await asyncio.wait_for(self.conn.execute("SELECT 1"), PING_DEADLINE)
+        async with asyncio.timeout(PING_DEADLINE):
+            await self.conn.execute("SELECT 1")
         self.alive_at = time.monotonic()
 
     async def _deadline(self, work: Awaitable[T]) -> T:
-        return await asyncio.wait_for(work, COMMAND_DEADLINE)
+        async with asyncio.timeout(COMMAND_DEADLINE):
+            return await work
 
     async def _commit(self, settlements: list[Settlement]) -> None:
         """All waiting settlements in one transaction, then their unlocks; on an error, each
@@ -251,7 +258,7 @@ class LockSession(Requests):
         for request in requests:
             items = answers[start : start + len(request.items)]
             if not _resolve(request.done, items):  # its caller left: the keys go back
-                self._orphaned([i.resolved for i in items if i.resolved is not None])
+                self._orphaned([key for item in items for key in item.resolved or ()])
             start += len(request.items)
 
     async def _guard(self, requests: list[_Request]) -> None:

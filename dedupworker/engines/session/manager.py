@@ -89,7 +89,8 @@ class LockSessions:
 
     async def _open(self, index: int) -> LockSession:
         opening = LockSession.open(self.dsn, index, self._name(f"locks-{index}"), OPEN_DEADLINE)
-        session = await asyncio.wait_for(opening, OPEN_DEADLINE)
+        async with asyncio.timeout(OPEN_DEADLINE):  # see lock_session.py: never wait_for
+            session = await opening
         session.on_lost = self._on_lost
         self._by_session[session] = set()
         return session
@@ -201,25 +202,25 @@ class LockSessions:
         )
 
     async def _reguard(self, session: LockSession) -> None:
-        """Calls running on their primary alone: join their keys' shared hold on `session`.
-        A guard granted to a call that ended meanwhile goes back at once."""
-        calls = [c for c in self._calls() if c.unguarded and c.primary is not session]
-        keys: list[Resolved] = [c.resolved for c in calls if c.resolved is not None]
+        """Calls running on their primary alone: join their keys' shared hold on `session`
+        (a call of several keys is guarded once every one of them is). A guard granted to a
+        call that ended meanwhile goes back at once."""
+        calls = [(c, c.resolved) for c in self._calls() if c.unguarded and c.primary is not session]
+        keys: list[Resolved] = [key for _, asked in calls for key in asked]
         if not calls:
             return
         with contextlib.suppress(SessionLost):
-            held = await session.guard(keys)
+            held = iter(await session.guard(keys))
             if session.lost:  # lost with its answer on the way: nothing is held there
                 return
             spare = []
-            for call, key, granted in zip(calls, keys, held, strict=True):
-                if not granted:
-                    continue
-                if call.unguarded and call.resolved == key:
+            for call, asked in calls:
+                granted = [key for key in asked if next(held)]
+                if len(granted) == len(asked) and call.unguarded and call.resolved == asked:
                     call.guard = session
                     self.join(call, session)
                 else:
-                    spare.append(key)
+                    spare.extend(granted)
             if spare:
                 session.unlock(spare)
 

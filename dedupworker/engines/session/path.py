@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -33,7 +33,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from dedupworker.db import sql
 from dedupworker.decide import outcomes
-from dedupworker.decide.keys import session_key
+from dedupworker.decide.keys import session_keys
 from dedupworker.decide.turns import AsyncTurns
 from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
@@ -43,7 +43,13 @@ from dedupworker.engines.session.cutoff import RunOns
 from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.source import SessionSource
-from dedupworker.engines.session.statements import Lock, SessionLost, Settlement, SettlementFailed
+from dedupworker.engines.session.statements import (
+    Lock,
+    Resolved,
+    SessionLost,
+    Settlement,
+    SettlementFailed,
+)
 from dedupworker.handler import Handler
 from dedupworker.observe import metrics
 
@@ -119,14 +125,15 @@ class CallPath:
             return found
         entity, dedup_key = found
         self.source.identified(delivery)
-        call.key = session_key(handler.lock_namespace, entity, handler.lock_key_mode)
-        await self.turns.take(call, call.key)
+        entities = delivery.entities or (entity,)
+        call.keys = session_keys(handler.lock_namespace, entities, handler.lock_key_mode)
+        await self.turns.take(call, call.keys)
         await self.slots.acquire()
         call.slot = self.slots
         call.move(S.LOCKING)
         dedup = None if dedup_key is None else (handler.ledger_scope, dedup_key)
         read = handler.lock_read(delivery.message) if self._lock_read else None
-        locked, seen = await self._lock(call, Lock(call.key, dedup, read))
+        locked, seen = await self._lock(call, Lock(call.keys, dedup, read))
         if not locked:
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
@@ -137,8 +144,8 @@ class CallPath:
         return await self._call(call, dedup_key)
 
     async def _lock(self, call: SessionCall, lock: Lock) -> tuple[bool, bool]:
-        """The entity's lock on the call's primary session (with the ledger look-up), then its
-        guard on another: whether the entity is ours, whether the ledger has the key."""
+        """The entities' locks on the call's primary session (with the ledger look-up), then
+        their guard on another: whether they are ours, whether the ledger has the key."""
         primary = call.primary or self.sessions.pick()
         if primary is None:
             raise SessionLost("no lock session is open")
@@ -157,7 +164,7 @@ class CallPath:
         guarded = False
         if guard is not None:
             with contextlib.suppress(SessionLost):
-                (guarded,) = await guard.guard([resolved])
+                guarded = await self._guard(guard, resolved)
         if guard is None or not guarded or guard.lost:
             # No second session to guard it (one was lost and is not back yet, or was lost
             # with its answer on the way), or an exclusive waiter on the key: never run
@@ -175,6 +182,18 @@ class CallPath:
             await self._unlock(call)
             return False, False
         return True, seen
+
+    @staticmethod
+    async def _guard(guard: LockSession, keys: tuple[Resolved, ...]) -> bool:
+        """Join the primary's hold of every key on `guard`; what it joined of a call whose
+        keys it could not all join goes back (the call does not run)."""
+        held = await guard.guard(keys)
+        if all(held):
+            return True
+        joined = [key for key, got in zip(keys, held, strict=True) if got]
+        if joined:
+            guard.unlock(joined)
+        return False
 
     async def _call(self, call: SessionCall, dedup_key: str | None) -> outcomes.Verdict:
         """The handler, under the entity's lock, with no transaction open."""
@@ -209,10 +228,8 @@ class CallPath:
     async def _run(self, method: Callable[..., Any], *args: Any) -> Any:
         """A handler method: awaited on the loop, or on a thread for a plain function."""
         if inspect.iscoroutinefunction(method):
-            work: Awaitable[Any] = method(*args)
-            if self.handler.timeout is not None:
-                work = asyncio.wait_for(work, self.handler.timeout)
-            return await work
+            async with asyncio.timeout(self.handler.timeout):  # None: no deadline
+                return await method(*args)
         if self.threads is None:
             return method(*args)  # a plain method of an async handler: it must not block
         # In a copy of the task's context: the call's trace span is current on the thread too.
@@ -253,7 +270,7 @@ class CallPath:
             writes=writes,
             after_settle=self._after_settle,
         )
-        keys = [call.resolved] if call.resolved is not None else []
+        keys = list(call.resolved)
         jobs = self.source.jobs(call.delivery)
         if not (statements or keys or jobs):
             return
@@ -262,8 +279,8 @@ class CallPath:
             raise SessionLost("no lock session for the settlement")
         bound = [_bind(primary, query, params) for query, params in statements]
         await primary.settle(Settlement(bound, keys, jobs))
-        if call.resolved is not None:
-            call.resolved = None
+        if call.resolved:
+            call.resolved = ()
             self._locks_changed(-1)
 
     # --- end --------------------------------------------------------------------------------
@@ -299,19 +316,19 @@ class CallPath:
 
     def _release_guard(self, call: SessionCall) -> asyncio.Future[None]:
         guard, call.guard = call.guard, None
-        if guard is None or call.resolved is None:
+        if guard is None or not call.resolved:
             return _done()
         self.sessions.leave(call, guard)
-        return guard.unlock([call.resolved])
+        return guard.unlock(call.resolved)
 
     def _unlock(self, call: SessionCall) -> asyncio.Future[None]:
-        resolved, call.resolved = call.resolved, None
-        if resolved is None:
+        resolved, call.resolved = call.resolved, ()
+        if not resolved:
             return _done()
         self._locks_changed(-1)
         if call.primary is None or call.primary.lost:
             return _done()  # gone with the session
-        return call.primary.unlock([resolved])
+        return call.primary.unlock(resolved)
 
     # --- cut off ----------------------------------------------------------------------------
 

@@ -167,7 +167,7 @@ class Requests:
 
 
 def _locked_keys(items: list[Locked]) -> list[Resolved]:
-    return [item.resolved for item in items if item.resolved is not None]
+    return [key for item in items for key in item.resolved or ()]
 
 
 def _resolve(done: asyncio.Future[Any], value: Any) -> bool:

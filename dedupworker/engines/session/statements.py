@@ -25,16 +25,17 @@ class SessionLost(Exception):
 
 
 class Lock(NamedTuple):
-    """A key to lock, the ledger key (scope, key) to look up once it is locked, if any, and
-    the handler's read to run under the lock (`Handler.lock_read`), if any."""
+    """The keys of a call to lock, all or none (one for a handler of the default shape; an
+    entity_ids handler's, sorted), the ledger key (scope, key) to look up once they are locked,
+    if any, and the handler's read to run under the lock (`Handler.lock_read`), if any."""
 
-    key: SessionKey
+    keys: tuple[SessionKey, ...]
     dedup: tuple[str, str] | None
     read: tuple[Any, Any] | None = None
 
 
 class Locked(NamedTuple):
-    resolved: Resolved | None  # None: held elsewhere
+    resolved: tuple[Resolved, ...] | None  # None: one of them held elsewhere
     seen: bool  # the ledger has the dedup key
     row: tuple[Any, ...] | None = None  # the first row of the lock's read
     failed: psycopg.Error | None = None  # the lock's read failed
@@ -70,36 +71,53 @@ class SettlementFailed(Exception):
 
 
 async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
-    """session_sql.SESSION_LOCK, then (in the same round trip, in a snapshot taken after the locks,
-    so that it sees every committed call of the entity) session_sql.SESSION_SEEN, then the handlers'
-    reads under the locks: one `Locked` per lock, in order."""
-    keys = [lock.key for lock in locks]
-    columns_ = (
-        [key.namespace for key in keys],
-        [key.number for key in keys],
-        [key.text for key in keys],
-        [key.wide for key in keys],
-    )
+    """session_sql.SESSION_LOCK for the calls of one key, session_sql.SESSION_LOCK_SEVERAL for
+    those of several, then (in the same round trip, in a snapshot taken after the locks, so
+    that it sees every committed call of the entity) session_sql.SESSION_SEEN, then the
+    handlers' reads under the locks: one `Locked` per lock, in order."""
+    one = [(j, lock.keys[0]) for j, lock in enumerate(locks) if len(lock.keys) == 1]
+    several = [(j, key) for j, lock in enumerate(locks) if len(lock.keys) > 1 for key in lock.keys]
     ledger = [lock.dedup for lock in locks if lock.dedup is not None]
+    locked = grouped = looked_up = None
     async with conn.pipeline():
-        locked = await conn.execute(session_sql.SESSION_LOCK, columns_)
+        if one:
+            locked = await conn.execute(session_sql.SESSION_LOCK, _key_columns(one)[1:])
+        if several:
+            grouped = await conn.execute(session_sql.SESSION_LOCK_SEVERAL, _key_columns(several))
         if ledger:
             scopes, dedups = [d[0] for d in ledger], [d[1] for d in ledger]
             looked_up = await conn.execute(session_sql.SESSION_SEEN, (scopes, dedups))
-    taken: dict[int, Resolved] = {
-        int(i) - 1: Resolved(ns, k, single) for i, ns, k, single in await locked.fetchall()
-    }
-    seen = {(str(a), str(b)) for a, b in await looked_up.fetchall()} if ledger else set()
+    taken: dict[int, list[Resolved]] = {}
+    if locked is not None:
+        for i, ns, k, single in await locked.fetchall():
+            taken[one[int(i) - 1][0]] = [Resolved(ns, k, single)]
+    if grouped is not None:
+        for g, ns, k, single in await grouped.fetchall():
+            taken.setdefault(int(g), []).append(Resolved(ns, k, single))
+    seen = set()
+    if looked_up is not None:
+        seen = {(str(a), str(b)) for a, b in await looked_up.fetchall()}
     rows, failed = await _read(conn, locks)
     return [
         Locked(
-            taken.get(j),
+            tuple(taken[j]) if j in taken else None,
             lock.dedup is not None and lock.dedup in seen,
             rows.get(j),
             failed if lock.read is not None else None,
         )
         for j, lock in enumerate(locks)
     ]
+
+
+def _key_columns(keys: Sequence[tuple[int, SessionKey]]) -> tuple[list[Any], ...]:
+    """The lock statements' arrays: each key's call, then keys.SessionKey's columns."""
+    return (
+        [j for j, _ in keys],
+        [key.namespace for _, key in keys],
+        [key.number for _, key in keys],
+        [key.text for _, key in keys],
+        [key.wide for _, key in keys],
+    )
 
 
 async def _read(

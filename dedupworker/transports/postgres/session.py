@@ -78,7 +78,7 @@ class ClaimedSessionCalls:
         full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
         one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
-        hint = self._hints.for_claims(shaped=False)  # shaped handlers: not in this engine
+        hint = self._hints.for_claims(shaped=False)  # entity_ids: several fields, no needle
         params = (hint, self.queue.queue, list(self._held), full, limit, one)
         async with reads.connection() as conn:
             cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)

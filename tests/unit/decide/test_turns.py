@@ -65,7 +65,7 @@ def test_on_the_event_loop_every_message_of_an_entity_waits_and_runs_in_the_orde
     order: list[str] = []
 
     async def run(turns: AsyncTurns, call: Holder, key: str) -> None:
-        await turns.take(call, key)
+        await turns.take(call, (key,))
         order.append(f"{call.name} starts")
         await asyncio.sleep(0)  # let the others queue up behind it
         order.append(f"{call.name} ends")
@@ -91,9 +91,9 @@ def test_a_waiter_cancelled_passes_nothing_on_and_stopping_fails_every_waiter() 
     async def main() -> None:
         turns = AsyncTurns()
         first, cancelled, stopped = Holder("1"), Holder("2"), Holder("3")
-        await turns.take(first, "k")
-        waiting = asyncio.ensure_future(turns.take(cancelled, "k"))
-        behind = asyncio.ensure_future(turns.take(stopped, "k"))
+        await turns.take(first, ("k",))
+        waiting = asyncio.ensure_future(turns.take(cancelled, ("k",)))
+        behind = asyncio.ensure_future(turns.take(stopped, ("k",)))
         await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -102,8 +102,35 @@ def test_a_waiter_cancelled_passes_nothing_on_and_stopping_fails_every_waiter() 
         turns.stop(RuntimeError("stopping"))
         with pytest.raises(RuntimeError, match="stopping"):
             await behind
-        assert first.turn == "k"
+        assert first.turn == ("k",)
         turns.end(first)
+        assert turns._waiting == {}
+
+    run_loop(main)
+
+
+def test_a_message_of_several_entities_waits_for_each_and_holds_them_all() -> None:
+    """Keys taken in one sorted order: a call of a and b and one of b and c never wait for
+    each other in a circle; the one of b and c starts once the first ended, and holds c
+    meanwhile, so that a call of c alone waits for it."""
+
+    async def main() -> None:
+        turns = AsyncTurns()
+        ab, bc, c = Holder("ab"), Holder("bc"), Holder("c")
+        await turns.take(ab, ("a", "b"))
+        assert ab.turn == ("a", "b")
+        second = asyncio.ensure_future(turns.take(bc, ("b", "c")))
+        await asyncio.sleep(0)
+        assert bc.met_busy and bc.turn is None  # waits for b, before asking for c
+        turns.end(ab)
+        await second
+        assert bc.turn == ("b", "c")
+        third = asyncio.ensure_future(turns.take(c, ("c",)))
+        await asyncio.sleep(0)
+        assert not third.done()
+        turns.end(bc)
+        await third
+        turns.end(c)
         assert turns._waiting == {}
 
     run_loop(main)
