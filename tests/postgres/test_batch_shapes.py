@@ -152,3 +152,28 @@ def test_a_limited_entity_is_one_slot_of_the_batch_whole_or_by_message(conns: An
         assert held(ours) == {4, 5}
     finally:
         third.close()
+
+
+def test_a_refused_batch_reads_the_ledger_again_after_its_message_by_message_locks(
+    conns: Any,
+) -> None:
+    """The whole batch was refused (4 held elsewhere) and its ledger look-up ran then; the
+    holder commits a copy of message m2 and lets 4 go before the batch's messages are locked
+    one by one: m2 must be seen as done (it ran again, and its batch failed on the ledger's
+    key, when the first look-up was the one answered)."""
+    ours, other = conns
+    statements, keys = BatchStatements(Transfer()), keys_of(GROUPS)
+    other.execute("SELECT pg_advisory_xact_lock(%s, 4)", (NS,))
+    call = BatchCall([], ours)
+    batch = Batch(ours)
+    batch.execute("BEGIN")
+    locking = statements.lock(batch, call, keys, ["m2", "m9"])
+    batch.run()
+    other.execute(
+        "INSERT INTO dedupworker.processed (scope, key) VALUES (%s, 'm2')",
+        (Transfer().ledger_scope,),
+    )
+    other.commit()
+    refused, seen = statements.answer(call, keys, locking)
+    assert refused == set()  # 4 is free by now
+    assert seen == {"m2"}

@@ -104,6 +104,7 @@ class Locking(NamedTuple):
     whole: Result | None  # a shaped handler's: every entity of the batch at once, or none
     refused: Result | None  # the ordinals of the groups held elsewhere
     seen: Result | None  # the ledger keys recorded
+    dedup_keys: list[str]  # the keys looked up
 
 
 class BatchSource(Protocol):
@@ -178,14 +179,13 @@ class BatchStatements:
         if call.savepoint is None:
             batch.execute(SAVEPOINT)
             call.savepoint = "clean"
-        seen = batch.execute(sql.BATCH_SEEN, (dedup_keys, self.scope)) if dedup_keys else None
-        return Locking(whole, refused, seen)
+        return Locking(whole, refused, self._seen(batch, dedup_keys), dedup_keys)
 
     def answer(self, call: BatchCall, keys: Keys, locking: Locking) -> tuple[set[int], set[str]]:
         """What `lock`'s round trip says, once it ran: the ordinals of the groups held
         elsewhere and the ledger keys seen. A whole batch refused is locked group by group
         now, in a round trip of its own."""
-        refused = locking.refused
+        refused, seen = locking.refused, locking.seen
         if locking.whole is not None and not _answered_true(locking.whole):
             self._skip_whole = WHOLE_SKIP
             assert call.conn is not None
@@ -193,10 +193,17 @@ class BatchStatements:
             batch.execute(ROLLBACK_TO_WHOLE)  # what it took, and the handler's savepoint
             refused = self._lock_groups(batch, keys)
             batch.execute(SAVEPOINT)
+            # Again, after these locks: the look-up of the first round trip ran while one of
+            # the entities was held elsewhere, and its holder may have committed a message of
+            # this batch since (a redelivered copy), which would run again.
+            seen = self._seen(batch, locking.dedup_keys)
             batch.run()
         held = set() if refused is None else {row[0] for row in refused.fetchall()}
-        seen = locking.seen
         return held, set() if seen is None else {row[0] for row in seen.fetchall()}
+
+    def _seen(self, batch: Batch, dedup_keys: list[str]) -> Result | None:
+        """The ledger look-up, queued after the locks: it sees what their holders committed."""
+        return batch.execute(sql.BATCH_SEEN, (dedup_keys, self.scope)) if dedup_keys else None
 
     def _lock_whole(self, batch: Batch, keys: Keys) -> Result:
         """Another shape's, the whole batch at once, in a savepoint that `answer` rolls back
