@@ -38,6 +38,7 @@ KINDS = ("ministack", "moto")
 # flight in another worker, each received once (ApproximateReceiveCount 1).
 FIFO_KEPT = pytest.mark.parametrize("sqs", ["ministack"], indirect=True)
 _names = itertools.count()
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests.support.moto_server
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,10 @@ class SqsServer:
                 "LOG_LEVEL": "WARNING",
             }
             return [sys.executable, "-m", "ministack"], env
-        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        return command, {}
+        # moto's server with its delete made safe beside a concurrent send (moto_server.py)
+        command = [sys.executable, "-m", "tests.support.moto_server", "-H", "127.0.0.1"]
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        return [*command, "-p", str(self.port)], {"PYTHONPATH": path}
 
     def _wait_ready(self, limit: float = 30) -> None:
         deadline = time.monotonic() + limit
