@@ -43,13 +43,7 @@ from dedupworker.engines.session.cutoff import RunOns
 from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.engines.session.manager import LockSessions
 from dedupworker.engines.session.source import SessionSource
-from dedupworker.engines.session.statements import (
-    Lock,
-    Resolved,
-    SessionLost,
-    Settlement,
-    SettlementFailed,
-)
+from dedupworker.engines.session.statements import Lock, SessionLost, Settlement, SettlementFailed
 from dedupworker.handler import Handler
 from dedupworker.observe import metrics
 
@@ -164,7 +158,7 @@ class CallPath:
         guarded = False
         if guard is not None:
             with contextlib.suppress(SessionLost):
-                guarded = await self._guard(guard, resolved)
+                guarded = await guard.guard_all(resolved)
         if guard is None or not guarded or guard.lost:
             # No second session to guard it (one was lost and is not back yet, or was lost
             # with its answer on the way), or an exclusive waiter on the key: never run
@@ -182,18 +176,6 @@ class CallPath:
             await self._unlock(call)
             return False, False
         return True, seen
-
-    @staticmethod
-    async def _guard(guard: LockSession, keys: tuple[Resolved, ...]) -> bool:
-        """Join the primary's hold of every key on `guard`; what it joined of a call whose
-        keys it could not all join goes back (the call does not run)."""
-        held = await guard.guard(keys)
-        if all(held):
-            return True
-        joined = [key for key, got in zip(keys, held, strict=True) if got]
-        if joined:
-            guard.unlock(joined)
-        return False
 
     async def _call(self, call: SessionCall, dedup_key: str | None) -> outcomes.Verdict:
         """The handler, under the entity's lock, with no transaction open."""

@@ -56,6 +56,17 @@ class Requests:
         )
         return result
 
+    async def guard_all(self, keys: Sequence[Resolved]) -> bool:
+        """Join the hold of every key of one call, or of none: what was joined of a call whose
+        keys could not all be goes back (the call does not run)."""
+        held = await self.guard(keys)
+        if all(held):
+            return True
+        joined = [key for key, got in zip(keys, held, strict=True) if got]
+        if joined:
+            self.unlock(joined)
+        return False
+
     async def confirm(self) -> None:
         """Done once the session answered a round trip sent after this call: its backend
         lived, and kept every hold it had, until now (SessionLost if it did not)."""
