@@ -10,10 +10,10 @@ from dedupworker.db.sql import JOB_KEY
 # Keys come as arrays (keys.SessionKey's columns) and are resolved once: the lock statement
 # returns each key as PostgreSQL's lock functions take it, (ns, k) or the one bigint `single`,
 # and the guard and unlock statements take those.
-_SESSION_KEYS = """
-SELECT i, ns,
-       CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
-       CASE WHEN wide THEN hashtextextended(txt, ns) END AS single
+_RESOLVE = """CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
+       CASE WHEN wide THEN hashtextextended(txt, ns) END AS single"""
+_SESSION_KEYS = f"""
+SELECT i, ns, {_RESOLVE}
 FROM unnest(%s::int4[], %s::int4[], %s::text[], %s::bool[])
      WITH ORDINALITY AS t(ns, num, txt, wide, i)
 OFFSET 0
@@ -40,15 +40,13 @@ WHERE CASE WHEN {_on_key("pg_try_advisory_lock")} THEN
 # keys come as SESSION_LOCK's with the ordinal of their call (`g`), are resolved, sorted and
 # taken once each by dedupworker.try_session_keys (migration 11) in that order, which gives
 # back what it took on the first key it cannot take: one row per key of each call locked.
-SESSION_LOCK_SEVERAL = """
+SESSION_LOCK_SEVERAL = f"""
 SELECT g, unnest(ns) AS ns, unnest(k) AS k, unnest(single) AS single
 FROM (
     SELECT g, array_agg(ns ORDER BY ns, k, single) AS ns, array_agg(k ORDER BY ns, k, single) AS k,
            array_agg(single ORDER BY ns, k, single) AS single
     FROM (
-        SELECT DISTINCT g, ns,
-               CASE WHEN wide THEN NULL WHEN txt IS NULL THEN num ELSE hashtext(txt) END AS k,
-               CASE WHEN wide THEN hashtextextended(txt, ns) END AS single
+        SELECT DISTINCT g, ns, {_RESOLVE}
         FROM unnest(%s::int4[], %s::int4[], %s::int4[], %s::text[], %s::bool[])
              AS t(g, ns, num, txt, wide)
     ) keys

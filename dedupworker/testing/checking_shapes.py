@@ -39,7 +39,6 @@ from dedupworker.testing.checking import (
     now,
 )
 from dedupworker.testing.checking_sessions import (
-    _EFFECT,
     _RETURNED,
     _SETTLED,
     _START,
@@ -179,7 +178,7 @@ class SessionTransferCheckedHandler(SessionCheckedHandler):
                     "UPDATE check_accounts SET balance = %s WHERE account = %s",
                     (read[account] + change, account),
                 )
-            conn.execute(_EFFECT, effect({**body, "entity": accounts[0]}))
+            conn.execute(EFFECT, effect({**body, "entity": accounts[0]}))
             ended = now()
             for call in calls:
                 if call is not None:

@@ -23,7 +23,6 @@ from dedupworker.engines.seams import Call
 if TYPE_CHECKING:
     import psycopg
 
-    from dedupworker.decide.keys import SessionKey
     from dedupworker.engines.session.connection import AsyncCallConnection, CallConnection
     from dedupworker.engines.session.lock_session import LockSession, Resolved
 
@@ -65,7 +64,6 @@ class SessionCall(Call):
         "call_conn",
         "cut_off",
         "guard",
-        "keys",
         "locked_row",
         "primary",
         "read_failed",
@@ -80,7 +78,6 @@ class SessionCall(Call):
         self.state = S.TAKEN
         self.primary = primary  # the session of its claim and its lock
         self.guard: LockSession | None = None  # the session holding its key beside
-        self.keys: tuple[SessionKey, ...] = ()  # its entities' (sorted, each once)
         self.resolved: tuple[Resolved, ...] = ()  # the entity locks, while its primary holds them
         self.locked_row: tuple[Any, ...] | None = None  # Handler.lock_read's row
         self.read_failed: psycopg.Error | None = None  # ... or its error

@@ -9,7 +9,8 @@ guards, or unlocks) the keys of many calls and one transaction commits many sett
               (one simple-query round trip; if it fails, each settlement alone, so that one
               bad settlement fails only itself)
     unlock    the shared holds of calls that ended without a settlement
-    lock      session_sql.SESSION_LOCK: taken exclusively, then held shared (see that module)
+    lock      session_sql.SESSION_LOCK: taken exclusively, then held shared (see that module);
+              a call of several keys, all or none: session_sql.SESSION_LOCK_SEVERAL
     guard     session_sql.SESSION_GUARD: the shared hold that keeps a key while the primary dies
     use       anything else, one caller at a time (the postgres queue's claims)
     confirm   nothing of its own: answered once the session answered a round trip sent after

@@ -120,14 +120,14 @@ class CallPath:
         entity, dedup_key = found
         self.source.identified(delivery)
         entities = delivery.entities or (entity,)
-        call.keys = session_keys(handler.lock_namespace, entities, handler.lock_key_mode)
-        await self.turns.take(call, call.keys)
+        keys = session_keys(handler.lock_namespace, entities, handler.lock_key_mode)
+        await self.turns.take(call, keys)
         await self.slots.acquire()
         call.slot = self.slots
         call.move(S.LOCKING)
         dedup = None if dedup_key is None else (handler.ledger_scope, dedup_key)
         read = handler.lock_read(delivery.message) if self._lock_read else None
-        locked, seen = await self._lock(call, Lock(call.keys, dedup, read))
+        locked, seen = await self._lock(call, Lock(keys, dedup, read))
         if not locked:
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
