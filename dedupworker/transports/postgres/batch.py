@@ -17,22 +17,18 @@ Round trips per batch, each a `dedupworker.db.wire.Batch`:
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-import psycopg
 
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
-from dedupworker.db.connect import give_back_broken, give_back_rolled_back
+from dedupworker.db.connect import give_back_broken
 from dedupworker.db.wire import Batch, Result
 from dedupworker.decide.settle import carry_out_many
 from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys
 from dedupworker.engines.common import has_after_settle
 from dedupworker.handler import BatchHandler
 from dedupworker.transport import Delivery
-from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
+from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, Ahead, ClaimingThread, ClaimsAhead
 from dedupworker.transports.postgres.transaction import claim_lock
 
 if TYPE_CHECKING:
@@ -55,25 +51,15 @@ class _Claim(NamedTuple):
     locking: bool  # it locked the entities given at enqueue
 
 
-class _Ahead(NamedTuple):
-    """A claim made with the thread's last COMMIT, kept for its next step."""
-
-    conn: psycopg.Connection[Any]
-    claim: _Claim
-    chain: int  # claims made ahead on this connection in a row
-
-
-class _Thread(Cursor, threading.local):
+class _Thread(ClaimingThread[_Claim]):
     """What one thread's batch leaves for the same thread's next claim."""
 
-    ahead: _Ahead | None = None
-    crowded_until = 0.0
     # Claims open the handler's savepoint while batches need no lock of their own (every
     # entity given at enqueue, locked by the claim): the handler can run at once.
     savepoint_ahead = False
 
 
-class ClaimedBatches:
+class ClaimedBatches(ClaimsAhead):
     """`dedupworker.engines.batch.BatchSource` for the postgres queue."""
 
     def __init__(
@@ -102,7 +88,7 @@ class ClaimedBatches:
         if self.queue.paused is not None:
             self.release()
             return None
-        ahead, self._thread.ahead = self._thread.ahead, None
+        ahead = self._thread.take_ahead()
         if ahead is None:
             conn, chain = self.pool.getconn(), 0
         else:
@@ -161,7 +147,7 @@ class ClaimedBatches:
         (BatchStatements), and lock them job by job, passing over those held elsewhere, while
         it does not (each job's lock its own subtransaction)."""
         queue, namespaces = self.queue.queue, self._namespaces
-        if time.monotonic() < self._thread.crowded_until:
+        if self._thread.crowded():
             window = size * self._threads * WINDOW_BATCHES
             ways = self._threads * SHARE_WORKERS
             self._thread.cursor = None
@@ -190,7 +176,7 @@ class ClaimedBatches:
         assert conn is not None
         entities = [entity for entity in call.entities if entity is not None]
         if len(set(entities)) < len(entities):
-            self._thread.crowded_until = time.monotonic() + CROWDED_FOR
+            self._thread.crowd()
         settle = Batch(conn)
         self.statements.end(settle, call)
         verdicts = call.decided()
@@ -211,16 +197,4 @@ class ClaimedBatches:
         claim = self._claim(settle, self.handler.batch_size)
         settle.run()
         call.conn = None
-        self._thread.ahead = _Ahead(conn, claim, call.chain + 1)
-
-    def abandon(self, call: BatchCall) -> None:
-        if call.conn is not None:
-            give_back_broken(self.pool, call.conn)
-            call.conn = None
-
-    def release(self) -> None:
-        """Roll back the batch this thread claimed ahead, if any, and give its connection
-        back."""
-        ahead, self._thread.ahead = self._thread.ahead, None
-        if ahead is not None:
-            give_back_rolled_back(self.pool, ahead.conn)
+        self._thread.ahead = Ahead(conn, claim, call.chain + 1)

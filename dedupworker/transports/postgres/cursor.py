@@ -14,7 +14,14 @@ that came back short.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import psycopg
+
+from dedupworker.db.calls import CallConnections
+from dedupworker.db.connect import give_back_broken, give_back_rolled_back
 
 CURSOR_SECONDS = 1.0
 # Messages (or batches) a thread claims ahead on one connection before it gives the connection
@@ -23,6 +30,8 @@ AHEAD_CHAIN = 1000
 # Seconds for which a thread's claims pass over jobs of locked entities, after one of its
 # messages met its entity locked or running (the batch engine: came with an entity repeated).
 CROWDED_FOR = 5.0
+
+ClaimT = TypeVar("ClaimT")
 
 
 class Cursor:
@@ -39,3 +48,59 @@ class Cursor:
         if self.cursor is None:
             self.from_head_at = now
         return self.cursor
+
+
+class Ahead(NamedTuple, Generic[ClaimT]):
+    """A claim made with the thread's last COMMIT, kept for its next step."""
+
+    conn: psycopg.Connection[Any]
+    claim: ClaimT
+    chain: int  # claims made ahead on this connection in a row
+
+
+class ClaimingThread(Cursor, threading.local, Generic[ClaimT]):
+    """What one thread's message (or batch) leaves for the same thread's next claim: the claim
+    made ahead, and until when its claims pass over jobs of locked entities."""
+
+    ahead: Ahead[ClaimT] | None = None
+    crowded_until = 0.0
+
+    def take_ahead(self) -> Ahead[ClaimT] | None:
+        """The claim made ahead, if any, taken: the next step uses it or gives it back."""
+        ahead, self.ahead = self.ahead, None
+        return ahead
+
+    def release(self, pool: CallConnections) -> None:
+        """Roll back the claim made ahead, if any, and give its connection back."""
+        ahead = self.take_ahead()
+        if ahead is not None:
+            give_back_rolled_back(pool, ahead.conn)
+
+    def crowd(self) -> None:
+        """Its claims pass over jobs of locked entities for the next CROWDED_FOR seconds."""
+        self.crowded_until = time.monotonic() + CROWDED_FOR
+
+    def crowded(self) -> bool:
+        return time.monotonic() < self.crowded_until
+
+
+class _OnConnection(Protocol):
+    conn: psycopg.Connection[Any] | None
+
+
+class ClaimsAhead:
+    """What the per-message and the batch adapter share: a thread's claim made ahead given
+    back, a call's connection given back broken."""
+
+    pool: CallConnections
+    _thread: ClaimingThread[Any]
+
+    def abandon(self, call: _OnConnection) -> None:
+        if call.conn is not None:
+            give_back_broken(self.pool, call.conn)
+            call.conn = None
+
+    def release(self) -> None:
+        """Roll back the claim (or batch) this thread made ahead, if any, and give its
+        connection back."""
+        self._thread.release(self.pool)

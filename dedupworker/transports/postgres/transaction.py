@@ -17,15 +17,13 @@ claim made ahead, whether claims pass over locked entities, whether a claim open
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
-from dedupworker.db.connect import fetch_flag, give_back_broken, give_back_rolled_back
+from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.db.wire import Batch, Executor, Rows
 from dedupworker.decide.keys import LockKey
@@ -36,7 +34,7 @@ from dedupworker.engines.common import OPEN, has_after_settle
 from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler
 from dedupworker.transport import Delivery
-from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, CROWDED_FOR, Cursor
+from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, Ahead, ClaimingThread, ClaimsAhead
 from dedupworker.transports.postgres.hints import EntityHints
 
 if TYPE_CHECKING:
@@ -56,19 +54,9 @@ class _Claim(NamedTuple):
     savepoint: bool  # it opened the handler's savepoint
 
 
-class _Ahead(NamedTuple):
-    """A claim made with the thread's last COMMIT, kept for its next step."""
-
-    conn: psycopg.Connection[Any]
-    claim: _Claim
-    chain: int  # claims made ahead on this connection in a row
-
-
-class _Thread(Cursor, threading.local):
+class _Thread(ClaimingThread[_Claim]):
     """What one thread's message leaves for the same thread's next claim."""
 
-    ahead: _Ahead | None = None
-    crowded_until = 0.0  # until then, claims pass over jobs whose given entity is locked
     # Claims open the savepoint while messages come with their entity given: their claim took
     # the lock, so the handler can run at once. Otherwise the lock has a round trip of its own,
     # which opens the savepoint after the lock, and one opened in the claim would only be
@@ -85,7 +73,7 @@ class Claimed(Call):
         self.chain = chain
 
 
-class ClaimedTransactions:
+class ClaimedTransactions(ClaimsAhead):
     """`dedupworker.engines.seams.Transactions` for the postgres queue."""
 
     def __init__(self, queue: Jobs, handler: Handler, pool: CallConnections) -> None:
@@ -106,7 +94,7 @@ class ClaimedTransactions:
         if self.queue.paused is not None:
             self.release()
             return None
-        ahead, self._thread.ahead = self._thread.ahead, None
+        ahead = self._thread.take_ahead()
         conn, claim, chain = (self.pool.getconn(), None, 0) if ahead is None else ahead
         try:
             delivery = None
@@ -166,7 +154,7 @@ class ClaimedTransactions:
         assert isinstance(call, Claimed) and call.conn is not None
         conn = call.conn
         if call.met_busy:
-            self._thread.crowded_until = time.monotonic() + CROWDED_FOR
+            self._thread.crowd()
         settle = Batch(conn)
         # handle() ended the transaction itself (its failure says so): the settlement opens one
         # of its own, or its COMMIT AND CHAIN would fail and the message come back for ever.
@@ -193,18 +181,7 @@ class ClaimedTransactions:
         if next_claim is None:
             self.pool.putconn(conn)
         else:
-            self._thread.ahead = _Ahead(conn, next_claim, call.chain + 1)
-
-    def abandon(self, call: Call) -> None:
-        if call.conn is not None:
-            give_back_broken(self.pool, call.conn)
-            call.conn = None
-
-    def release(self) -> None:
-        """Roll back the claim this thread made ahead, if any, and give its connection back."""
-        ahead, self._thread.ahead = self._thread.ahead, None
-        if ahead is not None:
-            give_back_rolled_back(self.pool, ahead.conn)
+            self._thread.ahead = Ahead(conn, next_claim, call.chain + 1)
 
     def _start(
         self, conn: psycopg.Connection[Any], *, whole: bool = False, rollback: bool = False
@@ -232,7 +209,7 @@ class ClaimedTransactions:
         takes the oldest job from the thread's cursor on, as the cheaper statement. `whole`:
         the oldest job from the head, passing nothing over."""
         thread = self._thread
-        skipping = not whole and time.monotonic() < thread.crowded_until
+        skipping = not whole and thread.crowded()
         cursor = None if whole or skipping else self._thread.claim_from()
         hint = self._hints.for_claims(shaped=self._lock[0] == "shaped")
         rows = self.queue.claim(batch, self._lock, skipping, cursor, hint)
