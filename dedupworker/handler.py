@@ -277,7 +277,7 @@ def _check_entities(cls: type[Handler]) -> None:
 
 
 def _check_shape(handler: Handler) -> None:
-    """A shape that cannot hold, or one its engine does not lock yet, refused by name."""
+    """A shape that cannot hold, refused by name."""
     shape, cls = handler.lock_shape, type(handler)
     if shape.plain:
         return
@@ -293,12 +293,6 @@ def _check_shape(handler: Handler) -> None:
             '(lock_scope = "session"): its calls hold their entity in shared mode, so that a '
             "guard session can join the hold, and a shared reader would run beside them; run "
             'readers and writers with lock_scope = "transaction" (docs/lock-shapes.md)'
-        )
-    if cls.lock_scope == "session" and shape.limit > 1:
-        raise ConfigurationError(
-            f"{cls.__name__}: entity_limit runs on the per-message and batch engines "
-            '(lock_scope = "transaction"), not yet on the session-lock engine (lock_scope = '
-            '"session"), whose calls hold one key per entity; entity_ids runs on all three'
         )
 
 

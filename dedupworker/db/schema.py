@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from dedupworker.db.shapes_sql import LOCK_SHAPES, SESSION_SHAPES
+from dedupworker.db.shapes_sql import LOCK_SHAPES, SESSION_SHAPES, SESSION_SLOTS
 from dedupworker.errors import SchemaMissing
 
 # dedupworker's own advisory-lock namespace ("ddwk"); keep handler namespaces clear of it.
@@ -291,6 +291,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (9, "ordered queues: promotions without a NOTIFY", _QUIET_PROMOTION),
     (10, "lock shapes: several entities, N per entity, shared", LOCK_SHAPES),
     (11, "lock shapes on session locks: several entities", SESSION_SHAPES),
+    (12, "lock shapes on session locks: N per entity", SESSION_SLOTS),
 )
 
 

@@ -55,6 +55,39 @@ FROM (
 ) calls
 WHERE dedupworker.try_session_keys(ns, k, single)
 """
+# A call of an entity_limit handler (one entity or several): each key in a slot of its own, all
+# or none, by dedupworker.try_session_slots (migration 12). The keys come as
+# SESSION_LOCK_SEVERAL's with their place in the call (`i`) and the slots other calls of this
+# worker hold of each (`busy`); one row per key of each call locked: its place, its slot's key
+# as PostgreSQL's lock functions take it, and the slot. Parameters: those arrays, entity_limit.
+SESSION_LOCK_SLOTS = f"""
+SELECT g, u.i, u.ns, CASE WHEN u.single IS NULL THEN dedupworker.slot_key(u.k, u.slot) END,
+       dedupworker.slot_key(u.single, u.slot), u.slot
+FROM (
+    SELECT g, i, ns, k, single,
+           dedupworker.try_session_slots(ns, k, single, %s::int4, busy) AS slots
+    FROM (
+        SELECT g, array_agg(i ORDER BY ns, k, single) AS i,
+               array_agg(ns ORDER BY ns, k, single) AS ns,
+               array_agg(k ORDER BY ns, k, single) AS k,
+               array_agg(single ORDER BY ns, k, single) AS single,
+               array_agg(busy ORDER BY ns, k, single) AS busy
+        FROM (
+            SELECT g, min(i) AS i, ns, k, single, bit_or(busy) AS busy
+            FROM (
+                SELECT g, i, ns, {_RESOLVE}, busy
+                FROM unnest(%s::int4[], %s::int4[], %s::int4[], %s::int4[], %s::text[], %s::bool[],
+                            %s::int8[]) AS t(g, i, ns, num, txt, wide, busy)
+            ) resolved
+            GROUP BY g, ns, k, single
+        ) keys
+        GROUP BY g
+    ) calls
+    OFFSET 0
+) tried,
+     unnest(tried.i, tried.ns, tried.k, tried.single, tried.slots) AS u(i, ns, k, single, slot)
+WHERE tried.slots IS NOT NULL
+"""
 _RESOLVED = "unnest(%s::int4[], %s::int4[], %s::int8[]) WITH ORDINALITY AS t(ns, k, single, i)"
 # The ledger look-up of many calls, sent after their locks (it sees what their entities'
 # earlier calls committed): the (scope, key) pairs the ledger has.
@@ -69,20 +102,21 @@ SESSION_UNLOCK = (
 )
 
 # The claim, in three statements. SESSION_CANDIDATES (on a pooled connection) reads ready jobs,
-# oldest first, that this worker does not hold (a session takes no key twice), with at most two
-# in hand per entity (one running, one waiting to run next), and returns each with its entity as
-# JSON text: the one given at enqueue or, with none given, its hint (the body field the first
-# parameter names, hints_sql.HINT_TEXT and transports/postgres/hints.py; NULL: no
-# hint; computed once per row, OFFSET 0). Its other parameters are the ids in hand, the entities
-# with two in hand (passed over) and those with one (one more is taken); more of one entity
-# could not run now. SESSION_CLAIM (on the lock session: the
-# only statement of the claim that needs it) locks each. SESSION_CLAIMED (pooled) reads them
-# again after the locks, in a snapshot taken after them: a job that another worker settled
-# (COMMIT, then unlock) just before our lock is gone by then: one primary-key look-up per id (the
-# OFFSET 0 keeps the planner from joining otherwise), the ready test in a CASE, out of its
-# sight. On a queue filled since its last ANALYZE, `id = ANY (...) AND status = 'ready'` read
-# the whole ready index (a bitmap scan of every ready job) for a few hundred ids, and without
-# the status test it read the whole table (tests/postgres/test_claim_plans.py).
+# oldest first, that this worker does not hold (a session takes no key twice), with at most
+# entity_limit + 1 in hand per entity (as many running as may, one waiting to run next), and
+# returns each with its entity as JSON text: the one given at enqueue or, with none given, its
+# hint (the body field the first parameter names, hints_sql.HINT_TEXT and
+# transports/postgres/hints.py; NULL: no hint; computed once per row, OFFSET 0). Its other
+# parameters are the ids in hand, the entities with all their room in hand (passed over), those
+# with some and how many more of each are taken, and the room of the others; more of one entity
+# could not run now. SESSION_CLAIM (on the lock session: the only statement of the claim that
+# needs it) locks each. SESSION_CLAIMED (pooled) reads them again after the locks, in a snapshot
+# taken after them: a job that another worker settled (COMMIT, then unlock) just before our
+# lock is gone by then: one primary-key look-up per id (the OFFSET 0 keeps the planner from
+# joining otherwise), the ready test in a CASE, out of its sight. On a queue filled since its
+# last ANALYZE, `id = ANY (...) AND status = 'ready'` read the whole ready index (a bitmap scan
+# of every ready job) for a few hundred ids, and without the status test it read the whole
+# table (tests/postgres/test_claim_plans.py).
 SESSION_CANDIDATES = f"""
 SELECT id, entity FROM (
     SELECT id, entity, row_number() OVER (PARTITION BY entity ORDER BY run_at, id) AS nth
@@ -97,8 +131,8 @@ SELECT id, entity FROM (
         LIMIT %s
     ) head
 ) candidates
-WHERE entity IS NULL
-   OR nth <= CASE WHEN entity IN (SELECT unnest(%s::text[])) THEN 1 ELSE 2 END
+LEFT JOIN unnest(%s::text[], %s::int4[]) AS room(entity, left_) USING (entity)
+WHERE entity IS NULL OR nth <= coalesce(room.left_, %s)
 """
 SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
 SESSION_CLAIMED = """

@@ -145,6 +145,67 @@ END
 $fn$;
 """
 
+# Migration 12: an entity_limit handler's keys on the session-lock engine, as try_session_keys
+# takes them, each in a slot (dedupworker.slot_key) of its own: slots 0 .. lim - 1 tried in
+# turn, but for those another call of this worker holds (`busy`, a bit mask per key: a session
+# takes no key twice, as its second try of a key it holds would succeed), each exclusively,
+# then held in shared mode. The slot taken per key, or NULL (and nothing held) when a key has
+# none free.
+SESSION_SLOTS = """
+CREATE FUNCTION dedupworker.try_session_slot(ns int4, k int4, single int8, lim int4, busy int8)
+RETURNS int4
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    key4 int4;
+    key8 int8;
+    got boolean;
+BEGIN
+    FOR s IN 0 .. lim - 1 LOOP
+        CONTINUE WHEN (busy >> s) & 1 = 1;
+        key4 := dedupworker.slot_key(k, s);
+        key8 := dedupworker.slot_key(single, s);
+        got := CASE WHEN single IS NULL THEN pg_try_advisory_lock(ns, key4)
+                    ELSE pg_try_advisory_lock(key8) END;
+        IF got THEN
+            got := CASE WHEN single IS NULL THEN pg_try_advisory_lock_shared(ns, key4)
+                        ELSE pg_try_advisory_lock_shared(key8) END;
+            PERFORM CASE WHEN single IS NULL THEN pg_advisory_unlock(ns, key4)
+                         ELSE pg_advisory_unlock(key8) END;
+        END IF;
+        IF got THEN
+            RETURN s;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$fn$;
+
+CREATE FUNCTION dedupworker.try_session_slots(
+    ns int4[], k int4[], single int8[], lim int4, busy int8[]
+) RETURNS int4[]
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    n int4 := coalesce(cardinality(ns), 0);
+    slots int4[] := '{}';
+    slot int4;
+BEGIN
+    FOR i IN 1 .. n LOOP
+        slot := dedupworker.try_session_slot(ns[i], k[i], single[i], lim, busy[i]);
+        IF slot IS NULL THEN
+            FOR j IN 1 .. i - 1 LOOP
+                PERFORM CASE WHEN single[j] IS NULL
+                    THEN pg_advisory_unlock_shared(ns[j], dedupworker.slot_key(k[j], slots[j]))
+                    ELSE pg_advisory_unlock_shared(dedupworker.slot_key(single[j], slots[j])) END;
+            END LOOP;
+            RETURN NULL;
+        END IF;
+        slots := slots || slot;
+    END LOOP;
+    RETURN CASE WHEN n > 0 THEN slots END;
+END
+$fn$;
+"""
+
 
 def json_keys(entities: str) -> str:
     """SQL: the lock keys (int8[], sorted, each once) of `entities`, an SQL expression of a

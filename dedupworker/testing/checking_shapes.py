@@ -8,7 +8,8 @@ the verdicts read back from those records.
 - `SessionTransferCheckedHandler`: the same transfers on the session-lock engine (an
   `async def handle`; the balances read under the locks, the new ones queued to commit with the
   settlement), each account's call row ended as `checking_sessions` ends a call.
-- `LimitedCheckedHandler` (`entity_limit = 3`): `max_concurrency` replays each entity's calls.
+- `LimitedCheckedHandler` (`entity_limit = 3`), and `SessionLimitedCheckedHandler` on the
+  session-lock engine: `max_concurrency` replays each entity's calls.
 - `SharedReaderCheckedHandler` (`lock_mode = "shared"`) and `ExclusiveWriterCheckedHandler` on
   the same entities: `mode_overlaps` counts readers that ran together (they may) and calls that
   ran beside a writer (they must not).
@@ -241,6 +242,13 @@ class BatchTransferCheckedHandler(BatchHandler, TransferCheckedHandler):
 
 class LimitedCheckedHandler(CheckedHandler):
     """`CheckedHandler` with up to 3 calls of one entity at once."""
+
+    entity_limit = 3
+
+
+class SessionLimitedCheckedHandler(SessionCheckedHandler):
+    """`SessionCheckedHandler` with up to 3 calls of one entity at once (the session-lock
+    engine: each call holds a slot of the entity on its lock session, guarded)."""
 
     entity_limit = 3
 

@@ -147,7 +147,7 @@ CLAIMS: dict[str, Claim] = {
     "SESSION_CANDIDATES": (
         session_sql.SESSION_CANDIDATES,
         # the first 500 ready jobs in hand already, passed over
-        lambda ids: (None, QUEUE, ids[:500], [], CANDIDATES, []),
+        lambda ids: (None, QUEUE, ids[:500], [], CANDIDATES, [], [], 2),
         (),
         3 * (CANDIDATES + 500),
     ),
@@ -160,7 +160,9 @@ CLAIMS: dict[str, Claim] = {
             ids[:500],
             [str(entity) for entity in range(1_000)],
             CANDIDATES,
-            [],
+            [str(entity) for entity in range(1_000, 1_100)],
+            [1] * 100,
+            2,
         ),
         (),
         3 * (CANDIDATES + 500 + CANDIDATES // 4),

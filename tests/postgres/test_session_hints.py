@@ -17,7 +17,7 @@ from dedupworker.engines.session.lock_session import LockSession
 from dedupworker.transport import Delivery
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.transports.postgres.hints import LEARN_AFTER
-from dedupworker.transports.postgres.session import PER_ENTITY, ClaimedSessionCalls
+from dedupworker.transports.postgres.session import ClaimedSessionCalls
 from tests.postgres.test_transaction import Scripted
 from tests.support.loops import run_loop
 
@@ -28,12 +28,15 @@ def _entities(taken: list[Delivery]) -> list[int]:
     return sorted(delivery.message.json()["entity"] for delivery in taken)
 
 
-async def _claims(dsn: str, conn: psycopg.Connection[Any], learn: bool) -> list[int]:
+async def _claims(
+    dsn: str, conn: psycopg.Connection[Any], learn: bool, limit: int = 1
+) -> list[int]:
     """The entities of the jobs one claim takes of a backlog of entity 7 (10 jobs) beside one
-    job of entity 8, after `LEARN_AFTER` messages identified (`learn`) or not."""
+    job of entity 8, after `LEARN_AFTER` messages identified (`learn`) or not, for a handler of
+    this entity_limit."""
     pool = open_pool(dsn, 1, 2)
     transport = PostgresTransport(WorkerConfig(dsn=dsn, queue="q"), pool)
-    claims = transport.session_claims()
+    claims = transport.session_claims(limit)
     assert isinstance(claims, ClaimedSessionCalls)
     session = await LockSession.open(dsn, 0, "dedupworker-locks-0:hints-test")
     reads: AsyncConnectionPool[Any] = AsyncConnectionPool(dsn, min_size=1, open=False)
@@ -56,11 +59,18 @@ async def _claims(dsn: str, conn: psycopg.Connection[Any], learn: bool) -> list[
         pool.close()
 
 
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [
+        (1, [7] * 2 + [8, 100]),  # one running, one waiting; 100 has one in hand already
+        (3, [7] * 4 + [8, 100, 100]),  # entity_limit 3: three running, one waiting
+    ],
+)
 def test_a_learned_field_bounds_the_jobs_in_hand_per_entity(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], limit: int, expected: list[int]
 ) -> None:
-    taken = run_loop(lambda: _claims(dsn, conn, learn=True))
-    assert taken == [7] * PER_ENTITY + [8, 100]
+    taken = run_loop(lambda: _claims(dsn, conn, learn=True, limit=limit))
+    assert taken == expected
 
 
 def test_without_a_learned_field_a_claim_takes_what_is_ready(

@@ -81,6 +81,53 @@ def test_every_key_of_a_call_or_none_held_shared_for_its_guard(
     run_loop(main)
 
 
+def slotted(busy: int, *entities: int) -> Lock:
+    keys = session_keys(NS, entities)
+    return Lock(keys, None, None, 3, (busy,) * len(keys))
+
+
+def test_a_limited_call_takes_a_free_slot_the_workers_other_calls_do_not_hold(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    """entity_limit 3: slot 0 is the entity's own key; a worker's try passes over the slots its
+    other calls hold (its session would take them again), another worker's over those held
+    elsewhere; with none free nothing stays held, another entity of the call included."""
+
+    def slot_keys(*slots: int) -> set[int]:
+        rows = conn.execute(
+            "SELECT dedupworker.slot_key(9, s) FROM unnest(%s::int4[]) s", (list(slots),)
+        ).fetchall()
+        return {int(row[0]) & 0xFFFFFFFF for row in rows}  # as pg_locks shows them
+
+    async def main() -> None:
+        a = await LockSession.open(dsn, 0, "dedupworker-locks-0:shapes-s")
+        b = await LockSession.open(dsn, 1, "dedupworker-locks-1:shapes-t")
+        try:
+            (first,) = await a.lock([slotted(0, 9)])
+            assert first.slots == {0: 0} and first.resolved is not None
+            assert [key.k for key in first.resolved] == [9]  # slot 0: the entity's own key
+            (again,) = await a.lock([slotted(0b1, 9)])  # slot 0 is its other call's
+            assert again.slots == {0: 1}
+            (blind,) = await a.lock([slotted(0, 9)])  # told nothing, it takes slot 0 again
+            assert blind.slots == {0: 0} and blind.resolved is not None
+            await a.unlock(blind.resolved)
+            assert set(held(conn, "dedupworker-locks-0:shapes-s")) == slot_keys(0, 1)
+            (third,) = await b.lock([slotted(0, 9)])
+            assert third.slots == {0: 2}  # 0 and 1 held by a
+            (refused,) = await b.lock([slotted(0b100, 8, 9)])  # 8 free, 9 has no slot free
+            assert refused.resolved is None and refused.slots is None
+            assert set(held(conn, "dedupworker-locks-1:shapes-t")) == slot_keys(2)
+            assert third.resolved is not None
+            await b.unlock(third.resolved)
+            (freed,) = await b.lock([slotted(0, 8, 9)])
+            assert freed.slots == {0: 0, 1: 2}
+        finally:
+            await a.close()
+            await b.close()
+
+    run_loop(main)
+
+
 def terminating_lock_sessions(dsn: str, kills: list[int]) -> Any:
     """Terminate a random lock session every 0.3 s, KILLS times, from the first call on."""
 

@@ -25,6 +25,7 @@ from tests.conftest import clean_env
 from tests.support.shapes import (
     ENGINES,
     HANDLERS,
+    LIMIT_ENGINES,
     TRANSFER_ENGINES,
     assert_clean,
     assert_no_deadlock,
@@ -78,7 +79,7 @@ def test_transfers_hold_both_accounts_and_every_balance_adds_up(
     assert_no_deadlock(run)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", LIMIT_ENGINES)
 def test_at_most_the_entity_limit_while_workers_die_and_holders_are_terminated(
     aws: SqsServer, dsn: str, conn: psycopg.Connection[Any], tmp_path: Path, engine: str
 ) -> None:
@@ -87,7 +88,7 @@ def test_at_most_the_entity_limit_while_workers_die_and_holders_are_terminated(
     queues = aws.queues(max_receive_count=10, visibility=2)
     send_all(aws, queues.url, bodies)
     run = workers(aws, queues.url, dsn, tmp_path, HANDLERS[engine]["limited"])
-    run.drain(3, killing_and_terminating(dsn, run))
+    run.drain(3, killing_and_terminating(dsn, run, engine))
     report = check(conn, [b["msg"] for b in bodies])
     print(report.as_dict(), run.killed)
     assert (report.lost, report.duplicate_effects) == (0, 0), report

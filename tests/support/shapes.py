@@ -29,10 +29,14 @@ HANDLERS = {
         "reader": f"{SHAPES}:BatchSharedReaderCheckedHandler",
         "writer": f"{SHAPES}:BatchExclusiveWriterCheckedHandler",
     },
-    "session": {"transfer": f"{SHAPES}:SessionTransferCheckedHandler"},  # entity_ids alone
+    "session": {  # lock_mode = "shared" cannot hold there
+        "transfer": f"{SHAPES}:SessionTransferCheckedHandler",
+        "limited": f"{SHAPES}:SessionLimitedCheckedHandler",
+    },
 }
 ENGINES = ["batch", "transaction"]  # every shape
 TRANSFER_ENGINES = sorted(HANDLERS)  # several entities
+LIMIT_ENGINES = sorted(HANDLERS)  # entity_limit
 
 
 def transfers(messages: int, accounts: int, seed: int = 5) -> list[dict[str, Any]]:
@@ -65,10 +69,21 @@ def assert_clean(report: Report) -> None:
     assert report.duplicate_effects == 0, report
 
 
-def killing_and_terminating(dsn: str, run: WorkerProcesses) -> Callable[[threading.Event], None]:
+# A lock holder's backend: a worker's connection in a transaction (the per-message and batch
+# engines hold their locks in one), or a lock session of the session-lock engine.
+_HOLDERS = {
+    "transaction": "application_name LIKE 'dedupworker:%%' AND state LIKE 'idle in transaction%%'",
+    "session": "application_name LIKE 'dedupworker-locks-%%' AND datname = current_database()",
+}
+
+
+def killing_and_terminating(
+    dsn: str, run: WorkerProcesses, engine: str = "transaction"
+) -> Callable[[threading.Event], None]:
     """SIGKILL a worker (replaced) every second and terminate a lock holder's backend every
     0.2 s, from the first call until the run ends."""
     rng = random.Random(2)
+    holders = _HOLDERS["session" if engine == "session" else "transaction"]
 
     def fault(stop: threading.Event) -> None:
         with psycopg.connect(dsn, autocommit=True) as admin:
@@ -79,9 +94,8 @@ def killing_and_terminating(dsn: str, run: WorkerProcesses) -> Callable[[threadi
             while not stop.wait(0.2):
                 tick += 1
                 admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name LIKE 'dedupworker:%%'"
-                    " AND state LIKE 'idle in transaction%%' LIMIT 1"
+                    f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {holders}"
+                    " LIMIT 1"
                 )
                 if tick % 5 == 0 and len(run.killed) < 6 and run.alive():
                     run.kill(rng.choice(run.alive()))

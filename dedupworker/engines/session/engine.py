@@ -109,7 +109,7 @@ class SessionEngine:
         self._loop.set_default_executor(DaemonThreads(DEFAULT_THREADS, f"{handler.name}-to-thread"))
         self._io = DaemonThreads(4, f"{handler.name}-io")
         threads = None if self._async else DaemonThreads(config.concurrency, f"{handler.name}-call")
-        self._source = source_for(transport, self._io)
+        self._source = source_for(transport, self._io, handler.lock_shape.limit)
         self._calls: dict[SessionCall, None] = {}
         self._room = asyncio.Event()
         self._late_ends: set[asyncio.Task[None]] = set()
@@ -347,10 +347,11 @@ class SessionEngine:
         await asyncio.wait(running, timeout=SHUTDOWN_GRACE)
 
 
-def source_for(transport: Transport, io: Executor) -> SessionSource:
-    """The transport's own session claims (the postgres queue), or a received message's."""
+def source_for(transport: Transport, io: Executor, limit: int = 1) -> SessionSource:
+    """The transport's own session claims (the postgres queue), or a received message's;
+    `limit`: the handler's entity_limit."""
     if isinstance(transport, ClaimsOnSessions):
-        return transport.session_claims()
+        return transport.session_claims(limit)
     if isinstance(transport, Receives):
         return ReceivedSessionCalls(transport, io)
     raise ConfigurationError(

@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -33,7 +33,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from dedupworker.db import sql
 from dedupworker.decide import outcomes
-from dedupworker.decide.keys import session_keys
+from dedupworker.decide.keys import SessionKey, session_keys
 from dedupworker.decide.turns import AsyncTurns
 from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
@@ -73,7 +73,7 @@ class CallPath:
         self.recorder = recorder
         self.threads = threads  # a plain `handle` runs here; None for an async one
         self._ended = ended
-        self.turns = AsyncTurns()
+        self.turns = AsyncTurns(handler.lock_shape.limit)
         self.slots = asyncio.Semaphore(concurrency)
         self.read_pool: AsyncConnectionPool[Any] | None = None
         self.sync_pool: ConnectionPool[Any] | None = None
@@ -127,7 +127,9 @@ class CallPath:
         call.move(S.LOCKING)
         dedup = None if dedup_key is None else (handler.ledger_scope, dedup_key)
         read = handler.lock_read(delivery.message) if self._lock_read else None
-        locked, seen = await self._lock(call, Lock(keys, dedup, read))
+        limit = self.turns.places
+        busy = self.turns.busy(call, keys) if limit > 1 else ()
+        locked, seen = await self._lock(call, keys, Lock(keys, dedup, read, limit, busy))
         if not locked:
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
@@ -137,16 +139,24 @@ class CallPath:
         call.move(S.RUNNING)
         return await self._call(call, dedup_key)
 
-    async def _lock(self, call: SessionCall, lock: Lock) -> tuple[bool, bool]:
+    async def _lock(
+        self, call: SessionCall, keys: tuple[SessionKey, ...], lock: Lock
+    ) -> tuple[bool, bool]:
         """The entities' locks on the call's primary session (with the ledger look-up), then
-        their guard on another: whether they are ours, whether the ledger has the key."""
+        their guard on another: whether they are ours, whether the ledger has the key. Its
+        try ends in its turns (the slots it holds, with an entity_limit) once answered."""
         primary = call.primary or self.sessions.pick()
         if primary is None:
             raise SessionLost("no lock session is open")
         if call.primary is None:
             call.primary = primary
             self.sessions.join(call, primary)
-        ((resolved, seen, row, failed),) = await primary.lock([lock])
+        slots: dict[Hashable, int] = {}
+        try:
+            ((resolved, seen, row, failed, held),) = await primary.lock([lock])
+            slots = {keys[i]: slot for i, slot in (held or {}).items()}
+        finally:
+            self.turns.tried(call, slots)
         if resolved is None:
             return False, False
         call.resolved = resolved

@@ -27,11 +27,15 @@ class SessionLost(Exception):
 class Lock(NamedTuple):
     """The keys of a call to lock, all or none (one for a handler of the default shape; an
     entity_ids handler's, sorted), the ledger key (scope, key) to look up once they are locked,
-    if any, and the handler's read to run under the lock (`Handler.lock_read`), if any."""
+    if any, and the handler's read to run under the lock (`Handler.lock_read`), if any. With an
+    entity_limit above 1, each key is taken in a slot of its own, among those not in `busy`
+    (per key, a bit mask of the slots this worker's other calls hold)."""
 
     keys: tuple[SessionKey, ...]
     dedup: tuple[str, str] | None
     read: tuple[Any, Any] | None = None
+    limit: int = 1
+    busy: tuple[int, ...] = ()
 
 
 class Locked(NamedTuple):
@@ -39,6 +43,7 @@ class Locked(NamedTuple):
     seen: bool  # the ledger has the dedup key
     row: tuple[Any, ...] | None = None  # the first row of the lock's read
     failed: psycopg.Error | None = None  # the lock's read failed
+    slots: dict[int, int] | None = None  # entity_limit > 1: each key's slot, by its place
 
 
 class Resolved(NamedTuple):
@@ -72,31 +77,35 @@ class SettlementFailed(Exception):
 
 async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
     """session_sql.SESSION_LOCK for the calls of one key, session_sql.SESSION_LOCK_SEVERAL for
-    those of several, then (in the same round trip, in a snapshot taken after the locks, so
-    that it sees every committed call of the entity) session_sql.SESSION_SEEN, then the
-    handlers' reads under the locks: one `Locked` per lock, in order."""
-    one = [(j, lock.keys[0]) for j, lock in enumerate(locks) if len(lock.keys) == 1]
-    several = [(j, key) for j, lock in enumerate(locks) if len(lock.keys) > 1 for key in lock.keys]
+    those of several, session_sql.SESSION_LOCK_SLOTS for those of an entity_limit, then (in the
+    same round trip, in a snapshot taken after the locks, so that it sees every committed call
+    of the entity) session_sql.SESSION_SEEN, then the handlers' reads under the locks: one
+    `Locked` per lock, in order."""
+    one = [(j, lock.keys[0]) for j, lock in enumerate(locks) if _plain(lock, 1)]
+    several = [(j, key) for j, lock in enumerate(locks) if _plain(lock, 2) for key in lock.keys]
+    slotted = [(j, lock) for j, lock in enumerate(locks) if lock.limit > 1]
     ledger = [lock.dedup for lock in locks if lock.dedup is not None]
-    locked = grouped = looked_up = None
+    taken: dict[int, list[Resolved]] = {}
+    slots: dict[int, dict[int, int]] = {}
     async with conn.pipeline():
+        locked = grouped = by_slot = looked_up = None
         if one:
             locked = await conn.execute(session_sql.SESSION_LOCK, _key_columns(one)[1:])
         if several:
             grouped = await conn.execute(session_sql.SESSION_LOCK_SEVERAL, _key_columns(several))
+        if slotted:
+            by_slot = await conn.execute(session_sql.SESSION_LOCK_SLOTS, _slot_columns(slotted))
         if ledger:
             scopes, dedups = [d[0] for d in ledger], [d[1] for d in ledger]
             looked_up = await conn.execute(session_sql.SESSION_SEEN, (scopes, dedups))
-    taken: dict[int, list[Resolved]] = {}
-    if locked is not None:
-        for i, ns, k, single in await locked.fetchall():
-            taken[one[int(i) - 1][0]] = [Resolved(ns, k, single)]
-    if grouped is not None:
-        for g, ns, k, single in await grouped.fetchall():
-            taken.setdefault(int(g), []).append(Resolved(ns, k, single))
-    seen = set()
-    if looked_up is not None:
-        seen = {(str(a), str(b)) for a, b in await looked_up.fetchall()}
+    for i, ns, k, single in await locked.fetchall() if locked else ():
+        taken[one[int(i) - 1][0]] = [Resolved(ns, k, single)]
+    for g, ns, k, single in await grouped.fetchall() if grouped else ():
+        taken.setdefault(int(g), []).append(Resolved(ns, k, single))
+    for g, i, ns, k, single, slot in await by_slot.fetchall() if by_slot else ():
+        taken.setdefault(int(g), []).append(Resolved(ns, k, single))
+        slots.setdefault(int(g), {})[int(i)] = int(slot)
+    seen = {(str(a), str(b)) for a, b in await looked_up.fetchall()} if looked_up else set()
     rows, failed = await _read(conn, locks)
     return [
         Locked(
@@ -104,9 +113,29 @@ async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
             lock.dedup is not None and lock.dedup in seen,
             rows.get(j),
             failed if lock.read is not None else None,
+            slots.get(j),
         )
         for j, lock in enumerate(locks)
     ]
+
+
+def _plain(lock: Lock, keys: int) -> bool:
+    """A lock of one key (1) or of several (2) in one slot each, the default."""
+    return lock.limit == 1 and min(len(lock.keys), 2) == keys
+
+
+def _slot_columns(locks: Sequence[tuple[int, Lock]]) -> tuple[Any, ...]:
+    """SESSION_LOCK_SLOTS's parameters: the entity_limit, then each key's call, its place in
+    the call, keys.SessionKey's columns and the slots held by this worker's other calls."""
+    rows = [
+        (j, i, key, busy)
+        for j, lock in locks
+        for i, (key, busy) in enumerate(zip(lock.keys, lock.busy, strict=True))
+    ]
+    columns = _key_columns([(j, key) for j, _, key, _ in rows])
+    places = [i for _, i, _, _ in rows]
+    masks = [busy - (1 << 64) if busy >= 1 << 63 else busy for _, _, _, busy in rows]
+    return (locks[0][1].limit, columns[0], places, *columns[1:], masks)
 
 
 def _key_columns(keys: Sequence[tuple[int, SessionKey]]) -> tuple[list[Any], ...]:

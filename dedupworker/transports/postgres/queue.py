@@ -72,14 +72,14 @@ class PostgresTransport:
         (engines.transaction.source.OpensTransactions)."""
         return ClaimedTransactions(self, handler, pool)
 
-    def session_claims(self) -> SessionSource:
+    def session_claims(self, limit: int = 1) -> SessionSource:
         """Jobs claimed by session locks, for the session-lock engine
-        (engines.session.source.ClaimsOnSessions)."""
+        (engines.session.source.ClaimsOnSessions), up to `limit` + 1 in hand per entity."""
         from dedupworker.transports.postgres.session import (
             ClaimedSessionCalls,  # it builds Jobs: imported once this module is
         )
 
-        return ClaimedSessionCalls(self)
+        return ClaimedSessionCalls(self, limit)
 
     def batch_claims(
         self, handler: BatchHandler, pool: CallConnections, threads: int

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 CANDIDATES_PER_JOB = 3
 CANDIDATES_MIN = 1000  # candidates read per claim at least: most may be of entities in hand
 CLAIM_MAX = 500  # jobs claimed in one statement
-PER_ENTITY = 2  # jobs in hand per entity given at enqueue: one running, the next one waiting
 
 
 async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> list[int]:
@@ -59,10 +58,13 @@ class ClaimedSessionCalls:
 
     claims_on_sessions = True
 
-    def __init__(self, queue: Jobs) -> None:
+    def __init__(self, queue: Jobs, limit: int = 1) -> None:
         self.queue = queue
+        # Jobs in hand per entity: as many as may run at once (entity_limit), and the next one
+        # waiting.
+        self.per_entity = limit + 1
         self._held: set[int] = set()  # ids of the jobs in hand
-        # Their entities, given or hinted: at most PER_ENTITY of one in hand.
+        # Their entities, given or hinted: at most per_entity of one in hand.
         self._entities: collections.Counter[str] = collections.Counter()
         self._hints = EntityHints()
 
@@ -75,11 +77,14 @@ class ClaimedSessionCalls:
         if self.queue.paused is not None:
             return []
         count = min(count, CLAIM_MAX)
-        full = [entity for entity, held in self._entities.items() if held >= PER_ENTITY]
-        one = [entity for entity, held in self._entities.items() if held < PER_ENTITY]
+        per_entity = self.per_entity
+        full = [entity for entity, held in self._entities.items() if held >= per_entity]
+        some = [(entity, per_entity - held) for entity, held in self._entities.items()]
+        some = [(entity, room) for entity, room in some if room > 0]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
         hint = self._hints.for_claims(shaped=False)  # entity_ids: several fields, no needle
-        params = (hint, self.queue.queue, list(self._held), full, limit, one)
+        rooms = ([entity for entity, _ in some], [room for _, room in some], per_entity)
+        params = (hint, self.queue.queue, list(self._held), full, limit, *rooms)
         async with reads.connection() as conn:
             cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
             counted: dict[int, str | None] = dict(await cursor.fetchall())

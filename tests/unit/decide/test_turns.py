@@ -134,3 +134,56 @@ def test_a_message_of_several_entities_waits_for_each_and_holds_them_all() -> No
         assert turns._waiting == {}
 
     run_loop(main)
+
+
+def test_with_an_entity_limit_that_many_hold_an_entity_one_tries_at_a_time_and_slots_are_told() -> (
+    None
+):
+    """Three places: three calls of one entity hold it together, a fourth waits for a place;
+    while one call's lock is being tried the next waits (two tries of one lock round could take
+    one free slot together), and a call is told the slots the others hold."""
+
+    async def main() -> None:
+        turns = AsyncTurns(places=3)
+        a, b, c, d = (Holder(name) for name in "abcd")
+        await turns.take(a, ("k",))
+        second = asyncio.ensure_future(turns.take(b, ("k",)))
+        await asyncio.sleep(0)
+        assert not second.done()  # a's try is not over
+        assert turns.busy(a, ("k",)) == (0,)
+        turns.tried(a, {"k": 0})
+        await second
+        assert turns.busy(b, ("k",)) == (0b1,)  # a holds slot 0
+        turns.tried(b, {"k": 2})
+        await turns.take(c, ("k",))
+        assert turns.busy(c, ("k",)) == (0b101,)
+        turns.tried(c, {"k": 1})
+        fourth = asyncio.ensure_future(turns.take(d, ("k",)))
+        await asyncio.sleep(0)
+        assert not fourth.done() and d.met_busy  # three hold the entity
+        turns.end(b)
+        await fourth
+        assert turns.busy(d, ("k",)) == (0b11,)  # slot 2 is free again
+        turns.tried(d, {})  # refused: its place stays until it ends
+        for call in (a, c, d):
+            turns.end(call)
+        assert turns._waiting == {}
+
+    run_loop(main)
+
+
+def test_a_call_that_ends_while_trying_lets_the_next_one_try() -> None:
+    async def main() -> None:
+        turns = AsyncTurns(places=2)
+        a, b = Holder("a"), Holder("b")
+        await turns.take(a, ("k",))
+        waiting = asyncio.ensure_future(turns.take(b, ("k",)))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        turns.end(a)  # its session was lost while it tried: no `tried`
+        await waiting
+        assert turns.busy(b, ("k",)) == (0,)
+        turns.end(b)
+        assert turns._waiting == {}
+
+    run_loop(main)
