@@ -93,9 +93,19 @@ def main() -> int:
     parser.add_argument("--batch-messages", type=int, default=100_000)
     add_worker_options(parser)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--only",
+        default="",
+        help="the scenarios whose name starts with this (and what they are compared with), "
+        "e.g. --only batch",
+    )
     args = parser.parse_args()
     print("$ python -m bench.lock_shapes " + shlex.join(sys.argv[1:]), flush=True)
-    figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in SCENARIOS}
+    chosen = [name for name in SCENARIOS if name.startswith(args.only)]
+    chosen = [name for name in SCENARIOS if name in chosen or name in {BASE[c] for c in chosen}]
+    if not chosen:
+        parser.error(f"--only {args.only!r}: no scenario's name starts with it")
+    figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in chosen}
     server = private_postgres()
     try:
         dsn = server.start()
@@ -103,7 +113,7 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             migrate(conn)
             for number in range(1, args.rounds + 1):
-                names = list(SCENARIOS) if number % 2 else list(reversed(SCENARIOS))
+                names = chosen if number % 2 else list(reversed(chosen))
                 for name in names:
                     figure = run(conn, dsn, args, name, pid)
                     figures[name].append(figure)

@@ -238,15 +238,21 @@ ARRAY_KEYS = """ARRAY(
     FROM unnest(%s::int4[], %s::text[]) AS entity(n, t) ORDER BY 1)"""
 
 # Every key of a batch at once, one lock per entity (entity_limit 1, exclusive or shared), in
-# one statement without a function (200 keys: 0.16 ms of execution where try_entity_keys, a
-# function call per key, took 0.25; 0.37 ms a round trip against 0.47): false when one is held
-# elsewhere, and then the batch engine rolls back the savepoint it opened before it, which
-# releases what it took.
-# Parameters: wide, the namespace, then ARRAY_KEYS's.
+# one statement without a function: false when one is held elsewhere, and then the batch engine
+# rolls back the savepoint it opened before it, which releases what it took. The keys are
+# neither sorted nor made distinct: no try waits (nothing to deadlock), a key taken twice by one
+# transaction is held once more, and every key is tried (bool_and reads them all), so the order
+# changes nothing (200 keys: 0.16 ms of execution where try_entity_keys, a function call per key,
+# took 0.25; the keys sorted and made distinct first cost the batch engine 1.7 us of server time
+# per message of two entities, bench/README.md, lock_shapes).
+# Parameters: wide, the namespace (hash64), the namespace twice, the int4 entities (NULL where
+# not one), the others as text (shapes.LockShape.columns).
 TRY_ALL_KEYS = {
-    shared: f"""SELECT coalesce(bool_and(CASE WHEN %s::bool THEN {function}(k)
-                                   ELSE {function}(%s::int4, k::int4) END), true)
-FROM unnest({ARRAY_KEYS}) AS k"""
+    shared: f"""SELECT coalesce(bool_and(
+    CASE WHEN %s::bool THEN {function}(hashtextextended(t, %s::int4))
+         WHEN t IS NULL THEN {function}(%s::int4, n)
+         ELSE {function}(%s::int4, hashtext(t)) END), true)
+FROM unnest(%s::int4[], %s::text[]) AS entity(n, t)"""
     for shared, function in (
         (False, "pg_try_advisory_xact_lock"),
         (True, "pg_try_advisory_xact_lock_shared"),
