@@ -1,15 +1,20 @@
 """`dedupworker locks` over lock shapes on the real PostgreSQL: a call's several keys listed
-together, an entity's slots numbered, shared holders shown as shared."""
+together, an entity's slots numbered (held in transactions, or by lock sessions), shared holders
+shown as shared."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import psycopg
 import pytest
 
+from dedupworker.decide.keys import session_keys
+from dedupworker.engines.session.lock_session import Lock, LockSession
 from tests.conftest import cli
+from tests.support.loops import run_loop
 
 pytestmark = pytest.mark.postgres
 
@@ -53,6 +58,28 @@ def test_a_call_s_keys_are_listed_together_and_an_entity_s_slots_numbered(dsn: s
     finally:
         for conn in (transfer, single, slotted, reader):
             conn.close()
+
+
+def test_the_slots_lock_sessions_hold_are_numbered_and_shown_as_session_scope(dsn: str) -> None:
+    """The session-lock engine's calls of an entity_limit handler: each slot on its lock
+    session (held shared, as the engine holds every key), listed by `--entity` with its slot."""
+
+    async def main() -> None:
+        a = await LockSession.open(dsn, 0, "dedupworker-locks-0:Limited@host/1")
+        b = await LockSession.open(dsn, 1, "dedupworker-locks-1:Limited@host/1")
+        try:
+            keys = session_keys(NS, (9,))
+            (first,) = await a.lock([Lock(keys, None, None, 3, (0,))])
+            (second,) = await b.lock([Lock(keys, None, None, 3, (0,))])
+            assert (first.slots, second.slots) == ({0: 0}, {0: 1})
+            rows = await asyncio.to_thread(locks, dsn, "--entity", "9")
+            shown = sorted((r["slot"], r["scope"], r["mode"], r["lock_session"]) for r in rows)
+            assert shown == [(0, "session", "shared", 0), (1, "session", "shared", 1)], rows
+        finally:
+            await a.close()
+            await b.close()
+
+    run_loop(main)
 
 
 def test_an_entity_without_its_namespace_is_refused_naming_the_flag(dsn: str) -> None:
