@@ -24,11 +24,12 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.draining import Watcher, Workers, run_dedupworker, spawn_worker
+from bench.draining import REPO, Watcher, Workers, run_dedupworker, spawn_worker
 from dedupworker import Message, enqueue, set_queue
 from dedupworker.db import sql
 from dedupworker.db.schema import migrate
@@ -99,7 +100,7 @@ def distinct(
     def run(conn: psycopg.Connection[Any], ordered: bool) -> tuple[float, float]:
         queue = f"{prefix}-{'ordered' if ordered else 'plain'}"
         ids = fill(conn, queue, [{"entity": n} for n in range(args.messages)])
-        workers = Workers(handler=handler(ordered))
+        workers = Workers(handler=handler(ordered), tree=args.tree)
         measure = run_dedupworker(dsn, queue, ids, args.concurrency, workers)
         return measure.rate, measure.cpu_us
 
@@ -121,7 +122,7 @@ def hot(dsn: str, args: argparse.Namespace) -> Run:
         ids = fill(conn, queue, bodies)
         name = "bench.sleepy:OrderedSleepy" if ordered else "bench.sleepy:Sleepy"
         with Watcher(dsn, ids) as watcher:
-            spawn_worker(dsn, queue, HOT_CONCURRENCY, Workers(handler=name))
+            spawn_worker(dsn, queue, HOT_CONCURRENCY, Workers(handler=name, tree=args.tree))
         assert watcher.first is not None and watcher.last is not None
         work = HOT_WORK_MS / 1000
         busiest = max(entities.count(e) for e in set(entities))
@@ -138,6 +139,12 @@ def main() -> int:
         "--messages", type=int, default=20_000, help="jobs of the distinct scenarios"
     )
     parser.add_argument("--hot-messages", type=int, default=10_000)
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO,
+        help="run the worker of this source tree (e.g. a `git worktree`; see bench/trees.py)",
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument(
         "--only", help="the scenarios whose names hold this text (default: all)", default=""
