@@ -212,20 +212,37 @@ class SessionCheckedHandler(Handler):
 
     async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
         body = message.json()
-        start = (str(body["msg"]), str(body["entity"]), os.getpid(), now())
-        # Its own task: a cancellation meanwhile must not tear the side connection's statement.
-        begun = asyncio.ensure_future(self._side.record(_START, start))
+        begun = self.begin(str(body["msg"]), [body["entity"]])
         try:
-            call = await asyncio.shield(begun)
+            calls = await asyncio.shield(asyncio.gather(*begun))
             await asyncio.sleep(float(body.get("work_ms", 5)) / 1000)
             conn.execute(_EFFECT, effect(body))
-            if call is not None:
-                conn.execute(_SETTLED, (call,))
-                await asyncio.shield(self._side.record(_RETURNED, (now(), call), keep=True))
+            await self.end(conn, calls)
             fail_first(body, message)
         except (asyncio.CancelledError, SessionLost):
-            await asyncio.shield(self._cut_off(begun, now()))
+            await self.cut_off(begun)
             raise
+
+    def begin(self, msg: str, entities: list[Any]) -> list[asyncio.Future[Any]]:
+        """A call row per entity, started now; each in its own task: a cancellation meanwhile
+        must not tear the side connection's statement."""
+        at = now()
+        starts = [(msg, str(entity), os.getpid(), at) for entity in entities]
+        return [asyncio.ensure_future(self._side.record(_START, start)) for start in starts]
+
+    async def end(self, conn: AsyncCallConnection, calls: list[Any]) -> None:
+        """The calls' ends: queued to commit with the settlement, and returned now."""
+        ended = now()
+        for call in calls:
+            if call is not None:
+                conn.execute(_SETTLED, (call,))
+                await asyncio.shield(self._side.record(_RETURNED, (ended, call), keep=True))
+
+    async def cut_off(self, begun: list[asyncio.Future[Any]]) -> None:
+        """Cut off now: each call's end is this moment (a `check_cut_offs` row)."""
+        at = now()
+        for started in begun:
+            await asyncio.shield(self._cut_off(started, at))
 
     async def _cut_off(self, begun: asyncio.Future[Any], at: datetime.datetime) -> None:
         call = await begun

@@ -40,9 +40,6 @@ from dedupworker.testing.checking import (
     now,
 )
 from dedupworker.testing.checking_sessions import (
-    _RETURNED,
-    _SETTLED,
-    _START,
     SESSION_TABLES,
     SessionCheckedHandler,
 )
@@ -162,9 +159,8 @@ class SessionTransferCheckedHandler(SessionCheckedHandler):
 
     async def handle(self, message: Message, conn: AsyncCallConnection) -> None:  # type: ignore[override]
         body = message.json()
-        accounts, at = (int(body["from"]), int(body["to"])), now()
-        starts = [(str(body["msg"]), str(a), os.getpid(), at) for a in accounts]
-        begun = [asyncio.ensure_future(self._side.record(_START, start)) for start in starts]
+        accounts = (int(body["from"]), int(body["to"]))
+        begun = self.begin(str(body["msg"]), list(accounts))
         try:
             calls = await asyncio.shield(asyncio.gather(*begun))
             rows = await conn.fetchall(
@@ -180,15 +176,9 @@ class SessionTransferCheckedHandler(SessionCheckedHandler):
                     (read[account] + change, account),
                 )
             conn.execute(EFFECT, effect({**body, "entity": accounts[0]}))
-            ended = now()
-            for call in calls:
-                if call is not None:
-                    conn.execute(_SETTLED, (call,))
-                    await asyncio.shield(self._side.record(_RETURNED, (ended, call), keep=True))
+            await self.end(conn, calls)
         except (asyncio.CancelledError, SessionLost):
-            cut = now()
-            for started in begun:
-                await asyncio.shield(self._cut_off(started, cut))
+            await self.cut_off(begun)
             raise
 
 

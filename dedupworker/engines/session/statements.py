@@ -98,14 +98,18 @@ async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
         if ledger:
             scopes, dedups = [d[0] for d in ledger], [d[1] for d in ledger]
             looked_up = await conn.execute(session_sql.SESSION_SEEN, (scopes, dedups))
-    for i, ns, k, single in await locked.fetchall() if locked else ():
+    for i, ns, k, single in await locked.fetchall() if locked is not None else ():
         taken[one[int(i) - 1][0]] = [Resolved(ns, k, single)]
-    for g, ns, k, single in await grouped.fetchall() if grouped else ():
+    for g, ns, k, single in await grouped.fetchall() if grouped is not None else ():
         taken.setdefault(int(g), []).append(Resolved(ns, k, single))
-    for g, i, ns, k, single, slot in await by_slot.fetchall() if by_slot else ():
+    for g, i, ns, k, single, slot in await by_slot.fetchall() if by_slot is not None else ():
         taken.setdefault(int(g), []).append(Resolved(ns, k, single))
         slots.setdefault(int(g), {})[int(i)] = int(slot)
-    seen = {(str(a), str(b)) for a, b in await looked_up.fetchall()} if looked_up else set()
+    seen = (
+        {(str(a), str(b)) for a, b in await looked_up.fetchall()}
+        if looked_up is not None
+        else set()
+    )
     rows, failed = await _read(conn, locks)
     return [
         Locked(
