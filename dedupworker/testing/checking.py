@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS check_calls (
     entity     text NOT NULL,
     pid        integer NOT NULL,
     started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    ended_at   timestamptz
+    ended_at   timestamptz,
+    settled    boolean NOT NULL DEFAULT false  -- the session checkers': its settlement committed
 );
 CREATE TABLE IF NOT EXISTS check_effects (
     msg    text NOT NULL,

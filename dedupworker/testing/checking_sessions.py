@@ -46,7 +46,11 @@ _START = (
 _EFFECT = EFFECT
 # GREATEST: a call's end only ever moves later, whichever of its records lands first.
 _RETURNED = "UPDATE check_calls SET ended_at = GREATEST(ended_at, %s) WHERE id = %s"
-_SETTLED = "UPDATE check_calls SET ended_at = GREATEST(ended_at, clock_timestamp()) WHERE id = %s"
+# In the settlement's transaction: the call's end when it commits, and that it committed.
+_SETTLED = """
+UPDATE check_calls SET ended_at = GREATEST(ended_at, clock_timestamp()), settled = true
+WHERE id = %s
+"""
 _CUT_OFF = """
 WITH ended AS (
     UPDATE check_calls SET ended_at = GREATEST(ended_at, %(at)s) WHERE id = %(call)s

@@ -5,8 +5,10 @@ entity meanwhile.
 
 `outside_window` splits the checker's overlaps into those this window explains and the rest,
 which must be none. An overlap is inside the window only when every call it overlaps with is
-both recorded by the checker as cut off (`check_cut_offs`) and logged by its worker as cut off
-with no guard holding its key ("no guard held its key meanwhile").
+both recorded by the checker as cut off (`check_cut_offs`, or never settled: a thread call whose
+writes were queued just before the loss was seen returns normally, and its settlement never
+commits) and logged by its worker as cut off with no guard holding its key ("no guard held its
+key meanwhile").
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _UNGUARDED = re.compile(r"message (\S+): cut off, its lock session lost;.*no gua
 
 # The calls of the entity still running when a late call started: those it overlaps with.
 _EARLIER = """
-SELECT c.id, c.msg, EXISTS (SELECT 1 FROM check_cut_offs o WHERE o.call = c.id) AS cut_off
+SELECT c.id, c.msg,
+       EXISTS (SELECT 1 FROM check_cut_offs o WHERE o.call = c.id) OR NOT c.settled AS cut_off
 FROM check_calls c
 WHERE c.entity = %s AND c.started_at < %s AND c.ended_at > %s
   AND NOT (c.pid = %s AND c.started_at = %s)
