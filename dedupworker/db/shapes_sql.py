@@ -229,30 +229,33 @@ def json_keys(entities: str) -> str:
             ORDER BY 1)"""
 
 
-# The same for entities a worker computed (decide/shapes.py): parameters wide, the namespace,
-# the int4 entities (NULL where not one), the others as text.
-ARRAY_KEYS = """ARRAY(
-    SELECT DISTINCT CASE WHEN %s::bool THEN hashtextextended(t, %s::int4)
+# An entity's lock key (int8) from the int4 column `n` or the text `t` (decide/shapes.py:
+# LockShape.columns), as keys.lock_key computes it: parameters wide (the hash64 key mode), the
+# namespace.
+_KEY_OF = """CASE WHEN %s::bool THEN hashtextextended(t, %s::int4)
                          WHEN n IS NOT NULL THEN n::int8
-                         ELSE hashtext(t)::int8 END
+                         ELSE hashtext(t)::int8 END"""
+
+# The same as json_keys for entities a worker computed: parameters _KEY_OF's, the int4 entities
+# (NULL where not one), the others as text.
+ARRAY_KEYS = f"""ARRAY(
+    SELECT DISTINCT {_KEY_OF}
     FROM unnest(%s::int4[], %s::text[]) AS entity(n, t) ORDER BY 1)"""
 
 # Every key of a batch at once, one lock per entity (entity_limit 1, exclusive or shared), in
 # one statement without a function: false when one is held elsewhere, and then the batch engine
 # rolls back the savepoint it opened before it, which releases what it took. The keys are
-# neither sorted nor made distinct: no try waits (nothing to deadlock), a key taken twice by one
-# transaction is held once more, and every key is tried (bool_and reads them all), so the order
-# changes nothing (200 keys: 0.16 ms of execution where try_entity_keys, a function call per key,
-# took 0.25; the keys sorted and made distinct first cost the batch engine 1.7 us of server time
-# per message of two entities, bench/README.md, lock_shapes).
-# Parameters: wide, the namespace (hash64), the namespace twice, the int4 entities (NULL where
-# not one), the others as text (shapes.LockShape.columns).
+# neither sorted nor made distinct (ARRAY_KEYS's are): no try waits (nothing to deadlock), a key
+# taken twice by one transaction is held once more, and every key is tried (bool_and reads them
+# all), so the order changes nothing. 200 keys: 0.16 ms of execution where try_entity_keys, a
+# function call per key, took 0.25; sorted and made distinct first, 2.4 us of execution per
+# message of two entities against 1.8 (pg_stat_statements over a batch drain: bench/README.md,
+# lock_shapes).
+# Parameters: wide, the namespace (for the locks), then ARRAY_KEYS's.
 TRY_ALL_KEYS = {
-    shared: f"""SELECT coalesce(bool_and(
-    CASE WHEN %s::bool THEN {function}(hashtextextended(t, %s::int4))
-         WHEN t IS NULL THEN {function}(%s::int4, n)
-         ELSE {function}(%s::int4, hashtext(t)) END), true)
-FROM unnest(%s::int4[], %s::text[]) AS entity(n, t)"""
+    shared: f"""SELECT coalesce(bool_and(CASE WHEN %s::bool THEN {function}(k)
+                                   ELSE {function}(%s::int4, k::int4) END), true)
+FROM (SELECT {_KEY_OF} AS k FROM unnest(%s::int4[], %s::text[]) AS entity(n, t)) AS keys"""
     for shared, function in (
         (False, "pg_try_advisory_xact_lock"),
         (True, "pg_try_advisory_xact_lock_shared"),

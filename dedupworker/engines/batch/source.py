@@ -216,7 +216,7 @@ class BatchStatements:
             return batch.execute(whole_key.sql, whole_key.params)
         wide, ns = self.mode == "hash64", self.namespace
         numbers, texts = shape.columns(entities)
-        return batch.execute(TRY_ALL_KEYS[shape.shared], (wide, ns, ns, ns, numbers, texts))
+        return batch.execute(TRY_ALL_KEYS[shape.shared], (wide, ns, wide, ns, numbers, texts))
 
     def _lock_entities(self, batch: Batch, keys: Keys) -> Result:
         """The default shape's: each entity's key, those held elsewhere come back."""

@@ -33,7 +33,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from dedupworker.db import sql
 from dedupworker.decide import outcomes
-from dedupworker.decide.keys import SessionKey, session_keys
+from dedupworker.decide.keys import session_keys
 from dedupworker.decide.turns import AsyncTurns
 from dedupworker.engines.common import has_after_settle
 from dedupworker.engines.recording import Recorder
@@ -129,7 +129,7 @@ class CallPath:
         read = handler.lock_read(delivery.message) if self._lock_read else None
         limit = self.turns.places
         busy = self.turns.busy(call, keys) if limit > 1 else ()
-        locked, seen = await self._lock(call, keys, Lock(keys, dedup, read, limit, busy))
+        locked, seen = await self._lock(call, Lock(keys, dedup, read, limit, busy))
         if not locked:
             call.met_busy = True
             return outcomes.on_contended(handler, delivery)
@@ -139,9 +139,7 @@ class CallPath:
         call.move(S.RUNNING)
         return await self._call(call, dedup_key)
 
-    async def _lock(
-        self, call: SessionCall, keys: tuple[SessionKey, ...], lock: Lock
-    ) -> tuple[bool, bool]:
+    async def _lock(self, call: SessionCall, lock: Lock) -> tuple[bool, bool]:
         """The entities' locks on the call's primary session (with the ledger look-up), then
         their guard on another: whether they are ours, whether the ledger has the key. Its
         try ends in its turns (the slots it holds, with an entity_limit) once answered."""
@@ -154,7 +152,7 @@ class CallPath:
         slots: dict[Hashable, int] = {}
         try:
             ((resolved, seen, row, failed, held),) = await primary.lock([lock])
-            slots = {keys[i]: slot for i, slot in (held or {}).items()}
+            slots = {lock.keys[i]: slot for i, slot in (held or {}).items()}
         finally:
             self.turns.tried(call, slots)
         if resolved is None:

@@ -81,9 +81,10 @@ async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
     same round trip, in a snapshot taken after the locks, so that it sees every committed call
     of the entity) session_sql.SESSION_SEEN, then the handlers' reads under the locks: one
     `Locked` per lock, in order."""
-    one = [(j, lock.keys[0]) for j, lock in enumerate(locks) if _plain(lock, 1)]
-    several = [(j, key) for j, lock in enumerate(locks) if _plain(lock, 2) for key in lock.keys]
     slotted = [(j, lock) for j, lock in enumerate(locks) if lock.limit > 1]
+    plain = [(j, lock.keys) for j, lock in enumerate(locks) if lock.limit == 1]
+    one = [(j, keys[0]) for j, keys in plain if len(keys) == 1]
+    several = [(j, key) for j, keys in plain if len(keys) > 1 for key in keys]
     ledger = [lock.dedup for lock in locks if lock.dedup is not None]
     taken: dict[int, list[Resolved]] = {}
     slots: dict[int, dict[int, int]] = {}
@@ -121,11 +122,6 @@ async def lock_keys(conn: Conn, locks: Sequence[Lock]) -> list[Locked]:
         )
         for j, lock in enumerate(locks)
     ]
-
-
-def _plain(lock: Lock, keys: int) -> bool:
-    """A lock of one key (1) or of several (2) in one slot each, the default."""
-    return lock.limit == 1 and min(len(lock.keys), 2) == keys
 
 
 def _slot_columns(locks: Sequence[tuple[int, Lock]]) -> tuple[Any, ...]:

@@ -1,4 +1,7 @@
-"""Where a claiming thread's next claim starts along the ready index: its cursor.
+"""What a claiming thread of the per-message and batch adapters keeps between its claims: where
+its next claim starts along the ready index (its cursor), the claim made ahead with its last
+COMMIT (`Ahead`, `ClaimingThread`, `ClaimsAhead`), and until when its claims pass over jobs of
+locked entities (`CROWDED_FOR`).
 
 A claim starts its scan where the thread's last claim was (the `run_at` it took last, as
 PostgreSQL wrote it, read back less a millisecond for the float's rounding; see sql.CLAIM_LOCKING

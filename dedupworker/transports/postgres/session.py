@@ -79,8 +79,7 @@ class ClaimedSessionCalls:
         count = min(count, CLAIM_MAX)
         per_entity = self.per_entity
         full = [entity for entity, held in self._entities.items() if held >= per_entity]
-        some = [(entity, per_entity - held) for entity, held in self._entities.items()]
-        some = [(entity, room) for entity, room in some if room > 0]
+        some = [(e, per_entity - held) for e, held in self._entities.items() if held < per_entity]
         limit = max(count * CANDIDATES_PER_JOB, CANDIDATES_MIN)
         hint = self._hints.for_claims(shaped=False)  # entity_ids: several fields, no needle
         rooms = ([entity for entity, _ in some], [room for _, room in some], per_entity)
