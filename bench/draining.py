@@ -34,7 +34,11 @@ from bench.server_cpu import ServerCpu, us_per_message
 from dedupworker.dev.embedded import find_local_bindir
 
 REPO = Path(__file__).resolve().parent.parent
-GONE = "SELECT NOT EXISTS (SELECT 1 FROM dedupworker.jobs WHERE id BETWEEN %s AND %s)"
+# The smallest id of the watched jobs still there (NULL when none is): an index probe from the
+# smallest one seen last time, never from the first id again (the scan from there walked every
+# job deleted since: up to 1.9 ms and ~280 buffers a poll late in a 100,000-job drain, server
+# CPU taken from the drain it measures).
+FIRST_LEFT = "SELECT min(id) FROM dedupworker.jobs WHERE id BETWEEN %s AND %s"
 POLL_SECONDS = 0.01
 
 
@@ -119,13 +123,16 @@ def run_threads(
 
 
 class Watcher:
-    """Polls the queue from outside the worker: when the first job and the last one went."""
+    """Polls the queue from outside the worker: when the first job and the last one went.
+    A job's id never comes back once it is gone, so each poll looks from the smallest id left
+    at the poll before."""
 
-    GONE = GONE
+    FIRST_LEFT = FIRST_LEFT
 
     def __init__(self, dsn: str, ids: tuple[int, int]) -> None:
         self.first: float | None = None
         self.last: float | None = None
+        self._low = ids[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(dsn, ids), daemon=True)
 
@@ -147,14 +154,14 @@ class Watcher:
 
     def _check(self, conn: psycopg.Connection[Any], ids: tuple[int, int]) -> None:
         now = time.perf_counter()
-        if self.first is None and self._gone(conn, ids[0], ids[0]):
+        row = conn.execute(self.FIRST_LEFT, (self._low, ids[1])).fetchone()
+        left = None if row is None else row[0]
+        if self.first is None and (left is None or left > ids[0]):
             self.first = now
-        if self.first is not None and self._gone(conn, *ids):
+        if left is None:
             self.last = now
-
-    def _gone(self, conn: psycopg.Connection[Any], low: int, high: int) -> bool:
-        row = conn.execute(self.GONE, (low, high)).fetchone()
-        return bool(row and row[0])
+        else:
+            self._low = left
 
 
 @dataclass(frozen=True)

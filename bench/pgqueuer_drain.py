@@ -113,7 +113,7 @@ def require_drained(conn: psycopg.Connection[Any], measure: Measure) -> None:
 class PgqueuerWatcher(Watcher):
     """bench.draining.Watcher over pgqueuer's queue table."""
 
-    GONE = f"SELECT NOT EXISTS (SELECT 1 FROM {SCHEMA}.pgqueuer WHERE id BETWEEN %s AND %s)"
+    FIRST_LEFT = f"SELECT min(id) FROM {SCHEMA}.pgqueuer WHERE id BETWEEN %s AND %s"
 
 
 def run(dsn: str, ids: tuple[int, int], processes: int, batch: int) -> Measure:
