@@ -17,7 +17,7 @@ back): a call never holds part of its entities, and two calls never wait on each
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,11 +79,15 @@ class LockShape:
         """The statement that locks every one of `entities` (normalized) in this shape."""
         if self.plain and len(entities) == 1:
             return lock_key(self.namespace, entities[0], self.mode)
-        wide = self.mode == "hash64"
-        numbers, texts = self.columns(entities)
-        ns = self.namespace
-        params = (ns, wide, ns, numbers, texts, wide, self.limit, self.shared)
-        return LockKey(self.namespace, entities[0], _TRY_ENTITY_LOCKS, params)
+        return LockKey(self.namespace, entities[0], *self.columns_lock(*self.columns(entities)))
+
+    def columns_lock(
+        self, numbers: Sequence[int | None], texts: Sequence[str | None]
+    ) -> tuple[str, tuple[object, ...]]:
+        """The statement (and its parameters) that locks the entities of `columns` (an
+        entity given twice is taken once) in this shape, all or none."""
+        wide, ns = self.mode == "hash64", self.namespace
+        return _TRY_ENTITY_LOCKS, (ns, wide, ns, numbers, texts, wide, self.limit, self.shared)
 
     def columns(
         self, entities: tuple[int | str, ...]
@@ -126,18 +130,21 @@ def entities_of(returned: Iterable[object]) -> tuple[int | str, ...]:
     """What `entity_ids()` returned, normalized (`7` and `"7"` are one entity), each once, in
     the order given; ValueError for none, too many, or one that cannot be an entity."""
     kind = type(returned)
+    if (kind is tuple or kind is list) and len(returned) == 2:  # type: ignore[arg-type]
+        # two, the most common count: ints as they are (the most common entity: no call),
+        # made distinct without a dict (every message's first step: bench/README.md,
+        # lock_shapes)
+        first, second = returned
+        first = first if type(first) is int else normalize_entity(first)
+        second = second if type(second) is int else normalize_entity(second)
+        return (first, second) if first != second else (first,)
     if kind is not tuple and kind is not list:
         if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
             raise ValueError(
                 f"entity_ids() returned {kind.__name__} {returned!r}; return a list of ints or strs"
             )
         returned = tuple(returned)
-    # ints as they are (the most common entity: no call); two, the most common count, made
-    # distinct without a dict (every message's first step: bench/README.md, lock_shapes)
     normalized = [e if type(e) is int else normalize_entity(e) for e in returned]
-    if len(normalized) == 2:
-        first, second = normalized
-        return (first, second) if first != second else (first,)
     entities = tuple(dict.fromkeys(normalized))
     if not entities:
         raise ValueError("entity_ids() returned no entity; a call locks at least one")

@@ -47,7 +47,8 @@ def keys_of(groups: list[tuple[int, ...]]) -> Keys:
     for ordinal, group in enumerate(groups, 1):
         keys.ordinals.append(ordinal)
         keys.groups.append(group)
-        keys.entities.update(dict.fromkeys(group))
+        keys.numbers.extend(group)  # int4 entities: keys.session_key's columns
+        keys.texts.extend([None] * len(group))
     return keys
 
 

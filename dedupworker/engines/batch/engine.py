@@ -150,13 +150,13 @@ class BatchEngine:
                 keys.ordinals.append(len(by_entity))
                 if shaped:
                     keys.groups.append(several)
-                    keys.entities.update(dict.fromkeys(several))
-                elif type(entity) is int and int4 and INT4_MIN <= entity <= INT4_MAX:
-                    keys.numbers.append(entity)  # keys.session_key's columns, inline
-                    keys.texts.append(None)
-                else:
-                    keys.numbers.append(None)
-                    keys.texts.append(str(entity))
+                for each in several:  # keys.session_key's columns, inline
+                    if type(each) is int and int4 and INT4_MIN <= each <= INT4_MAX:
+                        keys.numbers.append(each)
+                        keys.texts.append(None)
+                    else:
+                        keys.numbers.append(None)
+                        keys.texts.append(str(each))
             if dedup_key is not None:
                 call.dedup[i] = dedup_key
                 dedup_keys.append(dedup_key)

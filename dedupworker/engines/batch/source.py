@@ -81,20 +81,20 @@ class BatchCall:
 
 
 class Keys:
-    """A batch's distinct entities that are still to lock, each with the ordinal (from 1) of
-    its entity's group, as the lock statement takes them: keys.session_key's columns (int4
-    keys, or the text PostgreSQL hashes); for a handler of another lock shape, each group's
-    entities (`groups`) and all of them once each (`entities`). And how many entities taking
-    the messages locked."""
+    """A batch's groups that are still to lock, each with its ordinal (from 1), and their
+    entities as the lock statement takes them: keys.session_key's columns (int4 keys, or the
+    text PostgreSQL hashes), one per group, or for a handler of another lock shape every
+    entity of every group in turn (an entity of two groups twice: the whole batch's lock
+    statements take a key once more, `try_entity_locks` once) and each group's entities
+    (`groups`). And how many entities taking the messages locked."""
 
-    __slots__ = ("entities", "groups", "numbers", "ordinals", "prelocked", "texts")
+    __slots__ = ("groups", "numbers", "ordinals", "prelocked", "texts")
 
     def __init__(self) -> None:
         self.ordinals: list[int] = []
         self.numbers: list[int | None] = []
         self.texts: list[str | None] = []
         self.groups: list[tuple[int | str, ...]] = []
-        self.entities: dict[int | str, None] = {}  # in order, each once
         self.prelocked = 0
 
 
@@ -209,13 +209,11 @@ class BatchStatements:
         """Another shape's, the whole batch at once, in a savepoint that `answer` rolls back
         when one entity was held elsewhere: one lock per entity in a statement of its own, or
         with slots `try_entity_keys` (which takes all or none itself)."""
-        shape, entities = self.shape, tuple(keys.entities)
+        shape, numbers, texts = self.shape, keys.numbers, keys.texts
         batch.execute(WHOLE_SAVEPOINT)
         if shape.limit > 1:
-            whole_key = shape.key(entities)
-            return batch.execute(whole_key.sql, whole_key.params)
+            return batch.execute(*shape.columns_lock(numbers, texts))
         wide, ns = self.mode == "hash64", self.namespace
-        numbers, texts = shape.columns(entities)
         return batch.execute(TRY_ALL_KEYS[shape.shared], (wide, ns, wide, ns, numbers, texts))
 
     def _lock_entities(self, batch: Batch, keys: Keys) -> Result:
