@@ -12,6 +12,10 @@ from dedupworker.decide.shapes import MAX_ENTITIES, LockShape, ShapeError, entit
 def test_entities_are_normalized_and_counted_once_in_the_order_given() -> None:
     assert entities_of([7, "7", "inv-1", 3, "inv-1"]) == (7, "inv-1", 3)
     assert entities_of(iter((2, 1))) == (2, 1)
+    # two, the most common count (a path of its own)
+    assert entities_of((7, "7")) == (7,)
+    assert entities_of(["inv-1", 3]) == ("inv-1", 3)
+    assert entities_of(("-12", "0012")) == (-12, "0012")
 
 
 @pytest.mark.parametrize(
