@@ -33,15 +33,16 @@ import binascii
 import functools
 import hashlib
 import itertools
-import json
-import operator
 import re
 import select
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import errors, pq
+
+from dedupworker.db.rows import Parse, ParseOne, Result
+from dedupworker.db.sync import SYNC
 
 _NUMBERED = re.compile(r"%s")
 _OK = int(pq.ExecStatus.COMMAND_OK)
@@ -78,7 +79,7 @@ class _Statement:
         numbers = itertools.count(1)
         self.text = _NUMBERED.sub(lambda _: f"${next(numbers)}", query).encode()
         self.name = b"dedupworker_" + hashlib.sha1(self.text).hexdigest()[:16].encode()
-        self.columns: tuple[tuple[int, ...], list[_Parse], list[_ParseOne]] = ((), [], [])
+        self.columns: tuple[tuple[int, ...], list[Parse], list[ParseOne]] = ((), [], [])
 
 
 _STATEMENTS: dict[str, _Statement] = {}
@@ -148,114 +149,6 @@ def _param(value: Any) -> bytes | None:
         if isinstance(value, base):
             return _ENCODERS[base](base(value))  # e.g. a float subclass's repr may not be SQL
     raise TypeError(f"cannot send a {type(value).__name__} parameter: {value!r}")
-
-
-def _json(value: bytes) -> Any:
-    if value.isdigit():
-        return int(value)
-    return {} if value == b"{}" else _DECODE_JSON(value.decode())
-
-
-_DECODE_JSON = json.JSONDecoder().decode
-_UNHEX = binascii.unhexlify
-_AFTER_HEX_PREFIX = operator.itemgetter(slice(2, None))  # bytea's hex output starts with \x
-_Parse = Callable[[Iterable[bytes]], Iterable[Any]]  # a column's values, none of them NULL
-_ParseOne = Callable[[bytes], Any]  # one value, not NULL
-
-
-def _each(parse: _ParseOne) -> _Parse:
-    return functools.partial(map, parse)
-
-
-def _bytea(value: bytes) -> bytes:
-    return _UNHEX(value[2:])
-
-
-# Each type's parser of one value, and of a column's values (C-level maps: no Python frame per
-# value but json's and, for one value, bytea's).
-_PARSE_ONE: dict[int, _ParseOne] = {
-    16: b"t".__eq__,  # bool
-    17: _bytea,  # bytea (hex output)
-    20: int,  # int8
-    21: int,  # int2
-    23: int,  # int4
-    700: float,  # float4
-    701: float,  # float8
-    114: _json,  # json
-    3802: _json,  # jsonb
-}
-_PARSERS: dict[int, _Parse] = {oid: _each(parse) for oid, parse in _PARSE_ONE.items()}
-_PARSERS[17] = lambda values: map(_UNHEX, map(_AFTER_HEX_PREFIX, values))
-_TEXT_ONE: _ParseOne = bytes.decode
-_TEXT = _each(_TEXT_ONE)
-
-
-def _parsers(statement: _Statement, res: pq.abc.PGresult) -> tuple[list[_Parse], list[_ParseOne]]:
-    """The parsers of the result's columns (of a column's values, and of one value)."""
-    types = tuple(map(res.ftype, range(res.nfields)))
-    known, parsers, one = statement.columns
-    if types != known:
-        parsers = [_PARSERS.get(oid, _TEXT) for oid in types]
-        one = [_PARSE_ONE.get(oid, _TEXT_ONE) for oid in types]
-        statement.columns = (types, parsers, one)
-    return parsers, one
-
-
-def _column(parse: _Parse, values: list[bytes | None]) -> list[Any]:
-    """One column's values parsed, its NULLs None."""
-    if None not in values:
-        return list(parse(values))  # type: ignore[arg-type]
-    present = iter(parse([value for value in values if value is not None]))
-    return [None if value is None else next(present) for value in values]
-
-
-class Result:
-    """The rows of one statement of a batch, available once the batch has run.
-
-    A statement of a batch's tail (see `Batch.tail`) that failed, or was skipped after an
-    error, raises that error from `fetchone`.
-    """
-
-    # Class-level defaults, no __init__: most results are never read (BEGIN, COMMIT ...),
-    # and one is made per statement.
-    _rows: list[tuple[Any, ...]] | None = None
-    error: Exception | None = None
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        if self.error is not None:
-            raise self.error
-        rows = self._rows
-        return rows.pop(0) if rows else None
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        if self.error is not None:
-            raise self.error
-        rows, self._rows = self._rows, None
-        return rows or []
-
-    def _fill(self, statement: _Statement, res: pq.abc.PGresult) -> None:
-        count = res.ntuples
-        if not count:
-            return
-        get = res.get_value
-        parsers, one = _parsers(statement, res)
-        if count == 1:
-            # One row (a claim, a lock, a look-up: most results): value by value, a tenth of
-            # the column machinery's time for a claim's nine columns.
-            row = [
-                None if (value := get(0, column)) is None else parse(value)
-                for column, parse in enumerate(one)
-            ]
-            self._rows = [tuple(row)]
-            return
-        # Column by column, each through C-level maps: a value is fetched and parsed without a
-        # Python frame of its own (but json's).
-        rows = range(count)
-        columns = [
-            _column(parse, list(map(get, rows, itertools.repeat(column, count))))
-            for column, parse in enumerate(parsers)
-        ]
-        self._rows = list(zip(*columns, strict=True))
 
 
 _Queued = tuple[_Statement, list[bytes | None] | None, Result]
@@ -338,11 +231,24 @@ def _send(pgconn: pq.abc.PGconn, queued: list[_Queued], prepared: set[bytes] | N
             pgconn.send_prepare(name, statement.text)
             preparing.add(name)
         send_prepared(name, values)
-    pgconn.pipeline_sync()
-    while pgconn.flush():
+    if SYNC is None:
+        pgconn.pipeline_sync()
+        flush = pgconn.flush
+    else:  # the send with the GIL let go (dedupworker/db/sync.py)
+        address = pgconn.pgconn_ptr  # type: ignore[attr-defined]  # every implementation has it
+        if SYNC.send(address) != 1:
+            raise psycopg.OperationalError(f"failed to sync pipeline: {_error(pgconn)}")
+        flush = functools.partial(SYNC.flush, address)
+    while sent := flush():
+        if sent < 0:
+            raise psycopg.OperationalError(f"flushing failed: {_error(pgconn)}")
         _wait(pgconn, select.POLLIN | select.POLLOUT)
         pgconn.consume_input()
     return preparing
+
+
+def _error(pgconn: pq.abc.PGconn) -> str:
+    return pgconn.get_error_message() or "the connection failed"
 
 
 def _receive(
@@ -373,7 +279,7 @@ def _receive(
             pass
         status = res.status
         if status == _TUPLES:
-            result._fill(statement, res)
+            result.fill(statement, res)
         elif status == _FATAL:
             failure = failure or _failed(res, prepared)
     return failure

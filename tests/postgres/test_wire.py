@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import pq
 from psycopg.pq import TransactionStatus
 
 from dedupworker.db import wire
@@ -24,8 +25,24 @@ def prepared(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     return conn
 
 
+@pytest.fixture(params=["libpq", "psycopg"])
+def sync(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Batches synced through libpq with the GIL let go (dedupworker.db.sync), or through
+    psycopg's own pipeline_sync (where that libpq is not found)."""
+    if request.param == "psycopg":
+        monkeypatch.setattr(wire, "SYNC", None)
+    return str(request.param)
+
+
+def test_the_send_without_the_gil_is_found_on_every_libpq_that_has_it() -> None:
+    # libpq 17 and later have PQsendPipelineSync: found in this process, batches use it
+    assert pq.version() < 170000 or wire.SYNC is not None
+
+
 @pytest.mark.parametrize("prepare", [True, False])
-def test_parameters_and_results_round_trip(conn: psycopg.Connection[Any], prepare: bool) -> None:
+def test_parameters_and_results_round_trip(
+    conn: psycopg.Connection[Any], prepare: bool, sync: str
+) -> None:
     wire.configure(conn, prepare=prepare)
     values = (2**62, 0.25, "ünïcode ' \" ; DROP TABLE x; --", b"\x00\xff\x10", True, None, None)
     for _ in range(3):  # the first run prepares (when asked to), later ones reuse
@@ -108,7 +125,19 @@ def test_a_rollback_through_psycopg_keeps_the_prepared_statements(
     assert len(names) == 1 and names[0][0].startswith("dedupworker_")
 
 
-def test_a_dead_connection_raises_operational_error(prepared: psycopg.Connection[Any]) -> None:
+def test_a_pipeline_larger_than_the_socket_takes_is_sent_whole(
+    prepared: psycopg.Connection[Any], sync: str
+) -> None:
+    big = bytes(range(256)) * 40_000  # 10 MB: the send comes back with more to send, many times
+    batch = Batch(prepared)
+    lengths = [batch.execute("SELECT length(%s::bytea)", (big,)) for _ in range(3)]
+    batch.run()
+    assert [result.fetchone() for result in lengths] == [(len(big),)] * 3
+
+
+def test_a_dead_connection_raises_operational_error(
+    prepared: psycopg.Connection[Any], sync: str
+) -> None:
     with psycopg.connect(prepared.info.dsn, autocommit=True) as killer:
         pid = prepared.info.backend_pid
         killer.execute("SELECT pg_terminate_backend(%s)", (pid,))

@@ -22,8 +22,9 @@ import psycopg
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
+from dedupworker.db.rows import Result
 from dedupworker.db.shapes_sql import TRY_ALL_KEYS, try_keys_params
-from dedupworker.db.wire import Batch, Result
+from dedupworker.db.wire import Batch
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out_many
 from dedupworker.engines.common import GIVE_BACK_DELAY, OPEN

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dedupworker.db import sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
-from dedupworker.db.wire import Batch, Result
+from dedupworker.db.rows import Result
+from dedupworker.db.wire import Batch
 from dedupworker.decide.settle import carry_out_many
 from dedupworker.engines.batch.source import SAVEPOINT, BatchCall, BatchStatements, Keys
 from dedupworker.engines.common import has_after_settle
