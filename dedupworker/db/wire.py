@@ -20,7 +20,9 @@ they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipe
 Per message this is the worker's hottest code, so it is written for the interpreter: parameters
 are encoded by C-level callables chosen by exact type, a `Result` has no `__init__`, and the
 libpq calls that let go of the GIL (each send, `is_busy`) are made once per statement, plus
-`is_busy` again only while a reply is still on its way.
+`is_busy` again only while a reply is still on its way; the pipeline itself goes out with the
+GIL let go (`dedupworker.db.sync`: psycopg's own sync sends it holding the GIL), and a one-row
+reply is parsed value by value (`dedupworker.db.rows`).
 
 `Batch.execute` has the shape of `psycopg.Connection.execute`, so transports settle through a
 batch or a connection alike. Everything a handler does still goes through psycopg.
