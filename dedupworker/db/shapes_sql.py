@@ -230,8 +230,9 @@ def json_keys(entities: str) -> str:
 
 
 # An entity's lock key (int8) from the int4 column `n` or the text `t` (decide/shapes.py:
-# LockShape.columns), as keys.lock_key computes it: parameters wide (the hash64 key mode), the
-# namespace.
+# LockShape.columns; the batch engine fills them in the pass that groups a batch,
+# BatchEngine._entities), as keys.lock_key computes it: parameters wide (the hash64 key mode),
+# the namespace.
 _KEY_OF = """CASE WHEN %s::bool THEN hashtextextended(t, %s::int4)
                          WHEN n IS NOT NULL THEN n::int8
                          ELSE hashtext(t)::int8 END"""

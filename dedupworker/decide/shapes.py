@@ -94,7 +94,8 @@ class LockShape:
     ) -> tuple[tuple[int | None, ...], tuple[str | None, ...]]:
         """`entities` (normalized) as ARRAY_KEYS takes them: the int4 ones, and the others as
         text (tuples, sent as arrays: a LockKey is hashable, the worker's threads take turns
-        by it)."""
+        by it). The batch engine writes the same test inline in the pass that groups a batch
+        (BatchEngine._entities: no second pass, no call per entity)."""
         if self.mode == "hash64":
             return (None,) * len(entities), tuple(str(entity) for entity in entities)
         numbers: list[int | None] = []
