@@ -43,6 +43,9 @@ class Database:
             timeout=POOL_WAIT,
             check=ConnectionPool.check_connection,
         )
+        # The last page found no connection: until the pool has one again, pages connect
+        # directly (see `connection`).
+        self._away = False
 
     def open(self) -> None:
         """Start connecting (again a no-op): once the console listens, so that a port in use is
@@ -52,20 +55,37 @@ class Database:
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; while the database is away, a connection of its own.
+
+        Once a page found the database unreachable, the next ones do not wait POOL_WAIT for the
+        pool again: each connects directly, which fails at once (a 503 in about a second) while
+        the database is away and serves the page as soon as it is back, before the pool's own
+        reconnecting (its backoff grows over a long outage) has a connection to lend."""
         self.open()
+        if self._away and not self.pool.get_stats().get("pool_available"):
+            with self._direct() as conn:
+                yield conn
+            return
         try:
             conn = self.pool.getconn()
         except PoolTimeout:
+            self._away = True
             raise self._why_unreachable() from None
+        self._away = False
         try:
             yield conn
         finally:
             self.pool.putconn(conn)  # rolled back or discarded if left broken
 
+    def _direct(self) -> psycopg.Connection[Any]:
+        """A connection outside the pool (closed by its `with`); DatabaseUnavailable, naming
+        why, when there is none within a second."""
+        return connect(self.dsn, 1.0, autocommit=True, application_name=APPLICATION_NAME)
+
     def _why_unreachable(self) -> DatabaseUnavailable:
         """The pool does not say why it has no connection: one direct attempt does."""
         try:
-            connect(self.dsn, 1.0, application_name=APPLICATION_NAME).close()
+            self._direct().close()
         except DatabaseUnavailable as exc:
             return exc
         return DatabaseUnavailable(
