@@ -1,4 +1,5 @@
-"""A pipeline's Sync, and its send with the GIL let go (`dedupworker.db.wire`).
+"""A pipeline's Sync, and its send with the GIL let go; its replies looked for with the GIL held
+(`dedupworker.db.wire`).
 
 psycopg's `PGconn.pipeline_sync()` calls libpq's PQpipelineSync, which appends the Sync message
 and sends the whole pipeline (a `send()` on the socket: on loopback the kernel delivers it to the
@@ -10,10 +11,14 @@ send is made here by PQflush called through ctypes, which lets go of the GIL for
 a `select.poll` does), while appending holds it (a few bytes into a buffer: letting go of the
 GIL costs a thread switch).
 
-Both are called on the libpq psycopg itself runs on: the library file mapped into this process
+psycopg's `is_busy()` lets go of the GIL too, for a check that reads a flag (PQisBusy): the
+wire asks it once per statement of a batch, and with several threads each letting go can cost
+a thread switch. PQisBusy is called here with the GIL held.
+
+All three are called on the libpq psycopg itself runs on: the library file mapped into this process
 (a connection's struct belongs to the version that made it). Where there is none to find (no
 /proc/self/maps), or it has no PQsendPipelineSync (before 17), `SYNC` is None and batches sync
-through psycopg.
+and look for replies through psycopg.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Sync(NamedTuple):
 
     send: Callable[[int], int]  # PQsendPipelineSync, the GIL held: 1 when appended
     flush: Callable[[int], int]  # PQflush, the GIL let go: 0 sent, 1 more to send, -1 failed
+    busy: Callable[[int], int]  # PQisBusy, the GIL held: 1 while the next reply is not all in
 
 
 def loaded_libpq(maps: str = "/proc/self/maps") -> str | None:
@@ -47,18 +53,19 @@ def loaded_libpq(maps: str = "/proc/self/maps") -> str | None:
 
 
 def sync_of(path: str | None) -> Sync | None:
-    """The two functions of the libpq at `path`, or None where it lacks them."""
+    """The functions of the libpq at `path`, or None where it lacks them."""
     if path is None:
         return None
     try:
-        send = ctypes.PyDLL(path).PQsendPipelineSync
+        holding = ctypes.PyDLL(path)
+        send, busy = holding.PQsendPipelineSync, holding.PQisBusy
         flush = ctypes.CDLL(path).PQflush
     except (OSError, AttributeError):
         return None
-    for function in (send, flush):
+    for function in (send, flush, busy):
         function.argtypes = [ctypes.c_void_p]
         function.restype = ctypes.c_int
-    return Sync(send, flush)
+    return Sync(send, flush, busy)
 
 
 SYNC = sync_of(loaded_libpq())

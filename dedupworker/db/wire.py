@@ -19,10 +19,10 @@ they go through `conn.pgconn`, psycopg's documented libpq wrapper, in libpq pipe
 
 Per message this is the worker's hottest code, so it is written for the interpreter: parameters
 are encoded by C-level callables chosen by exact type, a `Result` has no `__init__`, and the
-libpq calls that let go of the GIL (each send, `is_busy`) are made once per statement, plus
-`is_busy` again only while a reply is still on its way; the pipeline itself goes out with the
-GIL let go (`dedupworker.db.sync`: psycopg's own sync sends it holding the GIL), and a one-row
-reply is parsed value by value (`dedupworker.db.rows`).
+libpq calls that let go of the GIL (each send) are made once per statement; whether a reply is
+all in is asked with the GIL held, and the pipeline itself goes out with the GIL let go (both
+`dedupworker.db.sync`: psycopg's `is_busy` lets go of it, its own sync sends holding it), and a
+one-row reply is parsed value by value (`dedupworker.db.rows`).
 
 `Batch.execute` has the shape of `psycopg.Connection.execute`, so transports settle through a
 batch or a connection alike. Everything a handler does still goes through psycopg.
@@ -262,15 +262,14 @@ def _receive(
     """Read the replies to `queued` (and to the preparing of their statements); returns the
     first error."""
     failure = None
-    is_busy, get_result = pgconn.is_busy, pgconn.get_result
+    is_busy, get_result = _busy(pgconn), pgconn.get_result
     for statement, _, result in queued:
         if preparing and statement.name in preparing:
             preparing.discard(statement.name)
             error = _prepared(pgconn, prepared, statement.name)
             failure = failure or error
         # One reply per statement (PIPELINE_ABORTED for those skipped after an error), then
-        # a None, which never waits: no is_busy before it (each call lets go of the GIL, and
-        # with many threads each letting go costs a thread switch).
+        # a None, which never waits: no is_busy before it.
         while is_busy():
             _wait(pgconn, select.POLLIN)
             pgconn.consume_input()
@@ -307,10 +306,20 @@ def _failed(res: pq.abc.PGresult, prepared: set[bytes] | None) -> Exception:
 
 
 def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
-    while pgconn.is_busy():
+    is_busy = _busy(pgconn)
+    while is_busy():
         _wait(pgconn, select.POLLIN)
         pgconn.consume_input()
     return pgconn.get_result()
+
+
+def _busy(pgconn: pq.abc.PGconn) -> Callable[[], int]:
+    """`pgconn.is_busy`, without letting go of the GIL where `dedupworker.db.sync` found
+    libpq's PQisBusy (psycopg's lets go of it: with many threads, a thread switch a call)."""
+    if SYNC is None:
+        return pgconn.is_busy
+    address = pgconn.pgconn_ptr  # type: ignore[attr-defined]  # every implementation has it
+    return functools.partial(SYNC.busy, address)
 
 
 def _wait(pgconn: pq.abc.PGconn, events: int) -> None:

@@ -27,8 +27,9 @@ def prepared(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
 
 @pytest.fixture(params=["libpq", "psycopg"])
 def sync(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Batches synced through libpq with the GIL let go (dedupworker.db.sync), or through
-    psycopg's own pipeline_sync (where that libpq is not found)."""
+    """Batches synced through libpq with the GIL let go and their replies looked for with it
+    held (dedupworker.db.sync), or through psycopg's own pipeline_sync and is_busy (where that
+    libpq is not found)."""
     if request.param == "psycopg":
         monkeypatch.setattr(wire, "SYNC", None)
     return str(request.param)

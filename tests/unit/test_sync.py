@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes.util
 from pathlib import Path
 
+from psycopg import pq
+
 from dedupworker.db.sync import loaded_libpq, sync_of
 
 
@@ -32,3 +34,12 @@ def test_a_library_without_the_functions_gives_none() -> None:
     libc = ctypes.util.find_library("c")
     assert libc is not None
     assert sync_of(libc) is None  # no PQsendPipelineSync in it
+
+
+def test_the_libpq_psycopg_runs_on_has_them_from_17_on() -> None:
+    found = sync_of(loaded_libpq())
+    if pq.version() < 170000:
+        assert found is None  # no PQsendPipelineSync: batches go through psycopg
+        return
+    assert found is not None
+    assert found.busy(0) == 0  # PQisBusy, called: of no connection, not busy (never a crash)
