@@ -374,9 +374,14 @@ def test_a_malformed_entity_dead_letters_its_message_and_the_rest_of_the_batch_s
     assert applied(conn) == in_order
 
 
-def test_hot_entities_run_in_order_one_batch_at_a_time(
+def test_hot_entities_run_one_batch_at_a_time_and_share_batches(
     conn: psycopg.Connection[Any], dsn: str
 ) -> None:
+    # No order is asserted: this queue is not ordered, and order across batches is not promised
+    # under contention there (docs/batches.md, Limits: a claim that passes over an entity's job
+    # while another batch holds it, then meets the entity free further along its scan, takes
+    # its later jobs first; seen here under CPU load). Ordered queues keep it:
+    # tests/postgres/test_order.py runs this engine on one.
     bodies = bodies_over(360, 3, work_ms=1)
     ids = put(conn, bodies, lambda _: True)
     workers = [spawn(dsn, "Tally", "--concurrency", "3") for _ in range(2)]
@@ -385,8 +390,6 @@ def test_hot_entities_run_in_order_one_batch_at_a_time(
         assert worker.returncode == 0, err
     assert effects(conn) == Counter(str(body["msg"]) for body in bodies)
     by_entity = applied(conn)
-    for entity, jobs in by_entity.items():
-        assert jobs == sorted(jobs), f"entity {entity}: jobs applied out of order"
     assert sorted(job for jobs in by_entity.values() for job in jobs) == sorted(ids)
     assert scalar(conn, OVERLAPS) == 0
     assert scalar(conn, "SELECT count(DISTINCT pid) FROM batch_calls") > 1
