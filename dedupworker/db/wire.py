@@ -200,16 +200,17 @@ class Batch:
         pgconn.enter_pipeline_mode()
         try:
             preparing = _send(pgconn, queued, prepared)
+            is_busy = _busy(pgconn)  # once per batch: every look for a reply uses it
             if tail_at is None:
-                failure = _receive(pgconn, queued, prepared, preparing)
+                failure = _receive(pgconn, is_busy, queued, prepared, preparing)
             else:
-                failure = _receive(pgconn, queued[:tail_at], prepared, preparing)
+                failure = _receive(pgconn, is_busy, queued[:tail_at], prepared, preparing)
                 tail = queued[tail_at:]
-                in_tail = _receive(pgconn, tail, prepared, preparing)
+                in_tail = _receive(pgconn, is_busy, tail, prepared, preparing)
                 first = failure or in_tail
                 for _, _, result in tail if first is not None else ():
                     result.error = first
-            res = _next(pgconn)
+            res = _next(pgconn, is_busy)
             if res is None or res.status != _SYNC:
                 raise psycopg.OperationalError("the server's replies to a pipeline ended early")
         finally:
@@ -255,6 +256,7 @@ def _error(pgconn: pq.abc.PGconn) -> str:
 
 def _receive(
     pgconn: pq.abc.PGconn,
+    is_busy: Callable[[], int],
     queued: list[_Queued],
     prepared: set[bytes] | None,
     preparing: set[bytes],
@@ -262,11 +264,11 @@ def _receive(
     """Read the replies to `queued` (and to the preparing of their statements); returns the
     first error."""
     failure = None
-    is_busy, get_result = _busy(pgconn), pgconn.get_result
+    get_result = pgconn.get_result
     for statement, _, result in queued:
         if preparing and statement.name in preparing:
             preparing.discard(statement.name)
-            error = _prepared(pgconn, prepared, statement.name)
+            error = _prepared(pgconn, is_busy, prepared, statement.name)
             failure = failure or error
         # One reply per statement (PIPELINE_ABORTED for those skipped after an error), then
         # a None, which never waits: no is_busy before it.
@@ -286,9 +288,11 @@ def _receive(
     return failure
 
 
-def _prepared(pgconn: pq.abc.PGconn, prepared: set[bytes] | None, name: bytes) -> Exception | None:
+def _prepared(
+    pgconn: pq.abc.PGconn, is_busy: Callable[[], int], prepared: set[bytes] | None, name: bytes
+) -> Exception | None:
     """The reply to preparing `name`, sent by `_send` just before its first use."""
-    res = _next(pgconn)
+    res = _next(pgconn, is_busy)
     while pgconn.get_result() is not None:
         pass
     if res is None:
@@ -305,8 +309,7 @@ def _failed(res: pq.abc.PGresult, prepared: set[bytes] | None) -> Exception:
     return failure
 
 
-def _next(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
-    is_busy = _busy(pgconn)
+def _next(pgconn: pq.abc.PGconn, is_busy: Callable[[], int]) -> pq.abc.PGresult | None:
     while is_busy():
         _wait(pgconn, select.POLLIN)
         pgconn.consume_input()
