@@ -7,12 +7,20 @@ itself has in hand, the step of the shutdown it was in) and, in a worker that ow
 (the command line's), ends the process with exit code 1, whatever held it up: a handler that
 never returns, an event loop that never comes back, a close that hangs, a non-daemon thread
 that the interpreter's exit would wait for.
+
+The watchdog is a Python thread: it runs only while some thread lets go of the GIL. A C call
+that blocks holding it (a client library's call into its own locks while another of its
+threads waits for the GIL in a callback) freezes every Python thread, the watchdog too. So a
+worker that owns its process also arms faulthandler's timer, a thread in C that needs no GIL:
+FROZEN_MARGIN seconds after the watchdog's own exit was due, it writes every thread's Python
+stack to stderr and ends the process (exit code 1).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -33,6 +41,9 @@ SHUTDOWN_MARGIN = 10.0
 # Seconds the report itself may take (a logging handler blocked on a full pipe): past them the
 # process ends without it.
 REPORT_LIMIT = 2.0
+# Seconds after that during which the Python threads must have ended the process, before the
+# timer in C (faulthandler's) takes them for frozen, reports their stacks and ends it.
+FROZEN_MARGIN = 1.0
 WATCHDOG = "dedupworker-watchdog"
 INTERRUPTED = (
     "interrupted by a second Ctrl-C: the in-flight handlers were cut off; their transactions "
@@ -58,12 +69,17 @@ class Watchdog:
             if self._armed:
                 return
             self._armed = True
+        if self.exits:
+            _arm_frozen_exit(self.budget + REPORT_LIMIT + FROZEN_MARGIN)
         _daemon(self._watch, WATCHDOG)
         if self.exits:
             _daemon(self._backstop, f"{WATCHDOG}-backstop")
 
     def disarm(self) -> None:
         self._disarmed.set()
+        with self._lock:
+            if self._armed and self.exits:
+                faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         if self._disarmed.wait(self.budget):
@@ -167,6 +183,14 @@ def thread_stacks(threads: Iterable[threading.Thread]) -> str:
         stack = "".join(traceback.format_stack(frame)) if frame else "  (no stack: not started)\n"
         parts.append(f"thread {thread.name!r} ({kind}):\n{stack}")
     return "".join(parts).rstrip("\n")
+
+
+def _arm_frozen_exit(seconds: float) -> None:
+    """In `seconds`, unless cancelled: every thread's stack to stderr ("Timeout (h:mm:ss)!",
+    then each thread, most recent call first) and exit code 1, from a thread in C that needs no
+    GIL. Process-wide: it replaces any such timer set before."""
+    with contextlib.suppress(OSError, ValueError):  # a stderr without a file: the watchdog alone
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
 
 
 def _daemon(target: Callable[[], None], name: str) -> None:

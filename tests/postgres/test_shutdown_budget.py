@@ -1,12 +1,14 @@
 """SIGTERM (or SIGINT, or a drain's end) ends a worker process within --shutdown-timeout plus
 the fixed margin, whatever holds it up, and stderr names what was still pending.
 
-Every engine with a handler that never returns; and a handler that leaves a thread behind
-(a thread pool's task that never ends), which the interpreter's exit would wait for after the
-worker stopped in time."""
+Every engine with a handler that never returns; a handler that leaves a thread behind (a thread
+pool's task that never ends), which the interpreter's exit would wait for after the worker
+stopped in time; and a C call that holds the GIL for ever while the worker stops, which freezes
+every Python thread, the watchdog's too."""
 
 from __future__ import annotations
 
+import datetime
 import signal
 import subprocess
 import time
@@ -16,7 +18,7 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue
-from dedupworker.process.shutdown import SHUTDOWN_MARGIN
+from dedupworker.process.shutdown import FROZEN_MARGIN, REPORT_LIMIT, SHUTDOWN_MARGIN
 from tests.support.acceptance import scalar, worker
 from tests.support.stuck_handlers import STARTED, TABLE
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.postgres
 
 SHUTDOWN_TIMEOUT = 1.0
 # A liveness bound, far above the budget: the start-up of a worker process is in it too.
-LIMIT = SHUTDOWN_TIMEOUT + SHUTDOWN_MARGIN + 30
+LIMIT = SHUTDOWN_TIMEOUT + SHUTDOWN_MARGIN + REPORT_LIMIT + FROZEN_MARGIN + 30
 
 # handler -> the function its stuck thread's stack shows
 STUCK = {
@@ -100,3 +102,16 @@ def test_a_thread_the_exit_waits_for_does_not_keep_the_process_past_its_budget(
     assert "in: the interpreter's exit, after run() returned" in err, err[-5000:]
     assert "thread 'client-flusher_0'" in err, err[-5000:]
     assert "in _flush_forever" in err, err[-5000:]
+
+
+def test_a_c_call_holding_the_gil_for_ever_does_not_keep_the_process_past_its_budget(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """No Python thread runs once the handler's C call holds the GIL: faulthandler's timer, a
+    thread in C, reports every thread's stack and ends the process."""
+    proc = start_stuck(dsn, conn, "HoldsTheGil")
+    err = ended(proc)
+    assert proc.returncode == 1, err[-5000:]
+    frozen_for = int(SHUTDOWN_TIMEOUT + SHUTDOWN_MARGIN + REPORT_LIMIT + FROZEN_MARGIN)
+    assert f"Timeout ({datetime.timedelta(seconds=frozen_for)})!" in err, err[-5000:]
+    assert "in _hold_the_gil" in err and "stuck_handlers.py" in err, err[-5000:]

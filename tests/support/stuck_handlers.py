@@ -4,11 +4,14 @@ Each notes in `stuck_started` (through a connection of its own, outside its tran
 it started, then never returns: a plain handler waits on an event nobody sets, a session-scope
 `async def handle` blocks its event loop. `LeavesAThread` returns at once but leaves a task that
 never ends in a thread pool, as a client library's background flush might: the interpreter's
-exit waits for the pool's threads.
+exit waits for the pool's threads. `HoldsTheGil`, once the worker is stopping, blocks in a C call
+that holds the GIL, as a client library's call into its own locks can: no Python thread of the
+process runs again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -18,6 +21,7 @@ from typing import Any
 import psycopg
 
 from dedupworker import BatchHandler, Handler, Message
+from dedupworker.process.shutdown import WATCHDOG
 
 TABLE = "CREATE TABLE IF NOT EXISTS stuck_started (handler text NOT NULL, pid int NOT NULL)"
 STARTED = "SELECT count(*) FROM stuck_started"
@@ -85,3 +89,20 @@ class LeavesAThread(_ByEntity, Handler):
 
 def _flush_forever() -> None:
     _NEVER.wait()
+
+
+class HoldsTheGil(_ByEntity, Handler):
+    """Once the worker's shutdown watchdog is armed, blocks in libc's sleep() called with the
+    GIL held (ctypes.PyDLL): every Python thread of the process, the watchdog's too, is frozen."""
+
+    lock_namespace = 47
+
+    def handle(self, message: Message, conn: psycopg.Connection[Any]) -> None:
+        note_started(self)
+        while not any(t.name == WATCHDOG for t in threading.enumerate()):
+            time.sleep(0.01)
+        _hold_the_gil()
+
+
+def _hold_the_gil() -> None:
+    ctypes.PyDLL(None).sleep(3600)
