@@ -200,7 +200,8 @@ def main() -> int:
                 ),
             ]
             scenarios = [s for s in scenarios if args.only in s.name]
-            if any(s.conn is blocked_conn for s in scenarios):
+            blocked = any(s.conn is blocked_conn for s in scenarios)
+            if blocked:
                 block_lines(blocked_conn, "blocked-ordered")
             for number in range(1, args.rounds + 1):
                 order = [False, True] if number % 2 else [True, False]
@@ -213,7 +214,6 @@ def main() -> int:
                             f"round {number}, {scenario.name}, {kind}: {figure[0]:,.2f}", flush=True
                         )
             plans = {}
-            blocked = any(s.conn is blocked_conn for s in scenarios)
             for queue in ("blocked-plain", "blocked-ordered") if blocked else ():
                 # with jobs to claim: the plans of a full queue, not of an empty one
                 fill(blocked_conn, queue, [{"entity": n} for n in range(args.messages)])

@@ -69,11 +69,10 @@ class Watchdog:
             if self._armed:
                 return
             self._armed = True
-        if self.exits:
-            _arm_frozen_exit(self.budget + REPORT_LIMIT + FROZEN_MARGIN)
         _daemon(self._watch, WATCHDOG)
         if self.exits:
             _daemon(self._backstop, f"{WATCHDOG}-backstop")
+            _arm_frozen_exit(self.budget + REPORT_LIMIT + FROZEN_MARGIN)
 
     def disarm(self) -> None:
         self._disarmed.set()
