@@ -11,7 +11,9 @@ Scenarios (docs/order.md, "What it costs"):
   queue without them; the claim's plan on both is printed (EXPLAIN ANALYZE).
 
 Throughput is jobs per second from the first job's commit to the last one's, seen from outside
-(bench.draining.Watcher); CPU is the workers' client CPU per job (start-up included).
+(bench.draining.Watcher). Beside it, per job: the workers' client CPU (start-up included) and
+the server's CPU over the drain (bench.server_cpu: the whole PostgreSQL server, its backends,
+autovacuum and the watcher's polling included).
 
 Run from the repository root:  python -m bench.ordered [--rounds 5]
 """
@@ -30,7 +32,8 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from bench.draining import REPO, Watcher, Workers, run_dedupworker, spawn_worker
+from bench.draining import REPO, Watcher, Workers, measured, run_dedupworker, spawn_worker
+from bench.server_cpu import ServerCpu, postmaster_pid
 from dedupworker import Message, enqueue, set_queue
 from dedupworker.db import sql
 from dedupworker.db.schema import migrate
@@ -95,23 +98,32 @@ class Scenario:
         self.name = name
         self.run = run
         self.conn = conn  # of the scenario's database
-        self.figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        # each run's figure, client and server CPU µs per job
+        self.figures: dict[bool, list[Figures]] = {False: [], True: []}
 
 
-Run = Callable[[psycopg.Connection[Any], bool], tuple[float, float]]
+# A run's figure, and the client's and the server's CPU µs per job (None: not read).
+Figures = tuple[float, float, float | None]
+Run = Callable[[psycopg.Connection[Any], bool], Figures]
 
 
 def distinct(
-    dsn: str, args: argparse.Namespace, handler: Callable[[bool], str], prefix: str
+    dsn: str,
+    args: argparse.Namespace,
+    handler: Callable[[bool], str],
+    prefix: str,
+    server_pid: int | None,
 ) -> Run:
     """Distinct entities on `{prefix}-ordered` (with True) and `{prefix}-plain`: rate, CPU."""
 
-    def run(conn: psycopg.Connection[Any], ordered: bool) -> tuple[float, float]:
+    def run(conn: psycopg.Connection[Any], ordered: bool) -> Figures:
         queue = f"{prefix}-{'ordered' if ordered else 'plain'}"
         ids = fill(conn, queue, [{"entity": n} for n in range(args.messages)])
         workers = Workers(handler=handler(ordered), tree=args.tree)
-        measure = run_dedupworker(dsn, queue, ids, args.concurrency, workers)
-        return measure.rate, measure.cpu_us
+        measure = measured(
+            server_pid, lambda: run_dedupworker(dsn, queue, ids, args.concurrency, workers)
+        )
+        return measure.rate, measure.cpu_us, measure.server_us
 
     return run
 
@@ -120,23 +132,26 @@ def noop(name: str) -> Callable[[bool], str]:
     return lambda ordered: f"bench.noop:{'Ordered' if ordered else ''}{name}"
 
 
-def hot(dsn: str, args: argparse.Namespace) -> Run:
+def hot(dsn: str, args: argparse.Namespace, server_pid: int | None) -> Run:
     """The hot entities' drain over its lower bound."""
 
-    def run(conn: psycopg.Connection[Any], ordered: bool) -> tuple[float, float]:
+    def run(conn: psycopg.Connection[Any], ordered: bool) -> Figures:
         queue = f"hot-{'ordered' if ordered else 'plain'}"
         rng = random.Random(3)
         entities = [rng.randrange(HOT_ENTITIES) for _ in range(args.hot_messages)]
         bodies = [{"entity": e, "work_ms": HOT_WORK_MS} for e in entities]
         ids = fill(conn, queue, bodies)
         name = "bench.sleepy:OrderedSleepy" if ordered else "bench.sleepy:Sleepy"
-        with Watcher(dsn, ids) as watcher:
-            spawn_worker(dsn, queue, HOT_CONCURRENCY, Workers(handler=name, tree=args.tree))
+        workers = Workers(handler=name, tree=args.tree)
+        with ServerCpu(server_pid) as server, Watcher(dsn, ids) as watcher:
+            _, cpu, _ = spawn_worker(dsn, queue, HOT_CONCURRENCY, workers)
         assert watcher.first is not None and watcher.last is not None
         work = HOT_WORK_MS / 1000
         busiest = max(entities.count(e) for e in set(entities))
         bound = max(busiest * work, len(entities) * work / HOT_CONCURRENCY)
-        return (watcher.last - watcher.first) / bound, 0.0
+        jobs = len(entities)
+        server_us = None if server.seconds is None else server.seconds / jobs * 1e6
+        return (watcher.last - watcher.first) / bound, cpu / jobs * 1e6, server_us
 
     return run
 
@@ -163,6 +178,7 @@ def main() -> int:
     server = private_postgres()
     try:
         dsn = server.start()
+        pid = postmaster_pid(server)
         # The blocked lines' 100,000 jobs in a database of their own: in the others' jobs
         # table, the autovacuum and autoanalyze of that table (its thresholds crossed by an
         # ordered drain's two changes per job, not by an unordered one's one) were measured
@@ -183,19 +199,19 @@ def main() -> int:
             scenarios = [
                 Scenario(
                     "per-message, distinct entities",
-                    distinct(dsn, args, noop("Noop"), "msg"),
+                    distinct(dsn, args, noop("Noop"), "msg", pid),
                     conn,
                 ),
                 Scenario(
                     "batch, distinct entities",
-                    distinct(dsn, args, noop("NoopBatch"), "batch"),
+                    distinct(dsn, args, noop("NoopBatch"), "batch", pid),
                     conn,
                 ),
-                Scenario("hot: drain / lower bound", hot(dsn, args), conn),
+                Scenario("hot: drain / lower bound", hot(dsn, args, pid), conn),
                 # both queues ordered: "ordered" is the one with the blocked lines
                 Scenario(
                     "blocked lines: ordered queue without (unordered column) / with",
-                    distinct(blocked_dsn, args, lambda _: "bench.noop:OrderedNoop", "blocked"),
+                    distinct(blocked_dsn, args, lambda _: "bench.noop:OrderedNoop", "blocked", pid),
                     blocked_conn,
                 ),
             ]
@@ -211,7 +227,8 @@ def main() -> int:
                         scenario.figures[ordered].append(figure)
                         kind = "ordered" if ordered else "unordered"
                         print(
-                            f"round {number}, {scenario.name}, {kind}: {figure[0]:,.2f}", flush=True
+                            f"round {number}, {scenario.name}, {kind}: {figure[0]:,.2f}",
+                            flush=True,
                         )
             plans = {}
             for queue in ("blocked-plain", "blocked-ordered") if blocked else ():
@@ -223,22 +240,29 @@ def main() -> int:
     print()
     print(
         "| scenario | unordered | ordered | ordered / unordered, median (min-max) "
-        "| CPU µs/job unordered / ordered |"
+        "| client CPU µs/job unordered / ordered | server CPU µs/job unordered / ordered |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for scenario in scenarios:
         plain, ordered = scenario.figures[False], scenario.figures[True]
         ratios = [o[0] / p[0] for p, o in zip(plain, ordered, strict=True)]
         cpu = (statistics.median(p[1] for p in plain), statistics.median(o[1] for o in ordered))
+        on_server = (cpu_text([p[2] for p in plain]), cpu_text([o[2] for o in ordered]))
         print(
             f"| {scenario.name} | {statistics.median(p[0] for p in plain):,.2f} "
             f"| {statistics.median(o[0] for o in ordered):,.2f} "
             f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
-            f"| {cpu[0]:,.0f} / {cpu[1]:,.0f} |"
+            f"| {cpu[0]:,.0f} / {cpu[1]:,.0f} | {on_server[0]} / {on_server[1]} |"
         )
     for queue, plan in plans.items():
         print(f"\nThe claim on {queue}:\n{plan}")
     return 0
+
+
+def cpu_text(figures: list[float | None]) -> str:
+    """The median of CPU µs per job, or n/a where the server's CPU could not be read."""
+    known = [figure for figure in figures if figure is not None]
+    return f"{statistics.median(known):,.0f}" if known else "n/a"
 
 
 if __name__ == "__main__":
