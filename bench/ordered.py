@@ -244,19 +244,23 @@ def main() -> int:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for scenario in scenarios:
-        plain, ordered = scenario.figures[False], scenario.figures[True]
-        ratios = [o[0] / p[0] for p, o in zip(plain, ordered, strict=True)]
-        cpu = (statistics.median(p[1] for p in plain), statistics.median(o[1] for o in ordered))
-        on_server = (cpu_text([p[2] for p in plain]), cpu_text([o[2] for o in ordered]))
-        print(
-            f"| {scenario.name} | {statistics.median(p[0] for p in plain):,.2f} "
-            f"| {statistics.median(o[0] for o in ordered):,.2f} "
-            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
-            f"| {cpu[0]:,.0f} / {cpu[1]:,.0f} | {on_server[0]} / {on_server[1]} |"
-        )
+        print(row(scenario.name, scenario.figures[False], scenario.figures[True]))
     for queue, plan in plans.items():
         print(f"\nThe claim on {queue}:\n{plan}")
     return 0
+
+
+def row(name: str, plain: list[Figures], ordered: list[Figures]) -> str:
+    """A scenario's line of the table: medians of its rounds, the ratio's spread."""
+    ratios = [o[0] / p[0] for p, o in zip(plain, ordered, strict=True)]
+    client = (statistics.median(p[1] for p in plain), statistics.median(o[1] for o in ordered))
+    server = (cpu_text([p[2] for p in plain]), cpu_text([o[2] for o in ordered]))
+    return (
+        f"| {name} | {statistics.median(p[0] for p in plain):,.2f} "
+        f"| {statistics.median(o[0] for o in ordered):,.2f} "
+        f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+        f"| {client[0]:,.0f} / {client[1]:,.0f} | {server[0]} / {server[1]} |"
+    )
 
 
 def cpu_text(figures: list[float | None]) -> str:
