@@ -58,7 +58,25 @@ def head_deleted(conn: psycopg.Connection[Any]) -> list[int]:
     return ids[len(gone) :]
 
 
+def bloated(conn: psycopg.Connection[Any]) -> list[int]:
+    """A burst that came and went (its ready index entries vacuumed away, the index as big as
+    it grew), then a full queue with few jobs ready: an ordered queue's heads among the jobs
+    waiting behind them."""
+    enqueue(conn, "burst", ({"entity": i} for i in range(2 * JOBS)))
+    conn.execute("DELETE FROM dedupworker.jobs WHERE queue = 'burst'")
+    conn.execute("VACUUM dedupworker.jobs")
+    ids = _fill(conn)
+    ready = ids[:: JOBS // 20]
+    conn.execute(
+        "UPDATE dedupworker.jobs SET status = 'waiting' WHERE queue = %s AND id <> ALL (%s)",
+        (QUEUE, ready),
+    )
+    conn.execute("VACUUM ANALYZE dedupworker.jobs")
+    return ready
+
+
 STATES: dict[str, Callable[[psycopg.Connection[Any]], list[int]]] = {
+    "bloated": bloated,
     "fresh": fresh,
     "burst": burst,
     "head_deleted": head_deleted,
@@ -148,7 +166,7 @@ CLAIMS: dict[str, Claim] = {
         session_sql.SESSION_CANDIDATES,
         # the first 500 ready jobs in hand already, passed over
         lambda ids: (None, QUEUE, ids[:500], [], CANDIDATES, [], [], 2),
-        (),
+        (session_sql.SESSION_CANDIDATES_PLAN,),
         3 * (CANDIDATES + 500),
     ),
     "SESSION_CANDIDATES, with an entity hint": (
@@ -164,7 +182,7 @@ CLAIMS: dict[str, Claim] = {
             [1] * 100,
             2,
         ),
-        (),
+        (session_sql.SESSION_CANDIDATES_PLAN,),
         3 * (CANDIDATES + 500 + CANDIDATES // 4),
     ),
     "SESSION_CLAIMED": (session_sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),

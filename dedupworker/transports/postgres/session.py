@@ -44,6 +44,19 @@ async def _lock_jobs(jobs: list[int], conn: psycopg.AsyncConnection[Any]) -> lis
     return [row[0] for row in await cursor.fetchall()]
 
 
+async def _candidates(
+    conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]
+) -> dict[int, str | None]:
+    """SESSION_CANDIDATES' jobs and their entities, read in one round trip, in a transaction
+    that plans it along the ready index (session_sql.SESSION_CANDIDATES_PLAN)."""
+    async with conn.pipeline():
+        await conn.execute("BEGIN")
+        await conn.execute(session_sql.SESSION_CANDIDATES_PLAN)
+        cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
+        await conn.execute("COMMIT")
+    return dict(await cursor.fetchall())
+
+
 class SessionJob(NamedTuple):
     """A job claimed by a session lock: its id, and the entity it counts under in hand, as JSON
     text: the one given at enqueue, else its hint, else (once identified) its handler's; None
@@ -85,8 +98,7 @@ class ClaimedSessionCalls:
         rooms = ([entity for entity, _ in some], [room for _, room in some], per_entity)
         params = (hint, self.queue.queue, list(self._held), full, limit, *rooms)
         async with reads.connection() as conn:
-            cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
-            counted: dict[int, str | None] = dict(await cursor.fetchall())
+            counted = await _candidates(conn, params)
         if not counted:
             return []
         candidates = list(counted)
