@@ -13,7 +13,7 @@ import tenacity
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from dedupworker.db import wire
+from dedupworker.db import planner_sql, wire
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.wire import Rows
 from dedupworker.errors import DatabaseUnavailable
@@ -191,7 +191,7 @@ def open_pool(
         open=False,
         name=name,
         timeout=timeout,
-        configure=functools.partial(wire.configure, prepare=not pgbouncer),
+        configure=functools.partial(_configure, prepare=not pgbouncer),
     )
     try:
         pool.open(wait=True, timeout=timeout)
@@ -199,6 +199,15 @@ def open_pool(
         pool.close(timeout=0.1)
         raise DatabaseUnavailable(_too_few_connections(dsn, size, timeout)) from None
     return pool
+
+
+def _configure(conn: psycopg.Connection[Any], *, prepare: bool) -> None:
+    """A pooled connection as it opens: its statements prepared or not (`wire.configure`) and,
+    where its session is the worker's own (no pooler), the session pinned to the claims'
+    planner settings (db/planner_sql.py: each claim gives the handler the session's own)."""
+    wire.configure(conn, prepare=prepare)
+    if prepare:
+        conn.execute(planner_sql.PIN)
 
 
 def _too_few_connections(dsn: str, size: int, timeout: float) -> str:

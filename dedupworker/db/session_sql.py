@@ -134,16 +134,9 @@ SELECT id, entity FROM (
 LEFT JOIN unnest(%s::text[], %s::int4[]) AS room(entity, left_) USING (entity)
 WHERE entity IS NULL OR nth <= coalesce(room.left_, %s)
 """
-# SESSION_CANDIDATES is read in a transaction of its own, planned along the ready index whatever
-# the statistics say (as sql.BATCH_CLAIM_PLAN): after a burst that came and went, the ready
-# index keeps the size it grew to, and with few jobs ready (an ordered queue's heads among the
-# jobs waiting behind them) it was planned as a sequential scan of the whole table and a sort,
-# for custom and generic plans alike (tests/postgres/test_claim_plans.py, "bloated").
-SESSION_CANDIDATES_PLAN = (
-    "SELECT set_config('enable_bitmapscan', 'off', true),"
-    " set_config('enable_seqscan', 'off', true),"
-    " set_config('plan_cache_mode', 'force_generic_plan', true)"
-)
+# SESSION_CANDIDATES is read in a transaction of its own, under planner_sql.PLAN_LOCAL: after a
+# burst that came and went, with few jobs ready, it was planned as a sequential scan of the whole
+# table and a sort, for custom and generic plans alike (tests/postgres/test_claim_plans.py).
 SESSION_CLAIM = f"SELECT id FROM unnest(%s::int8[]) id WHERE pg_try_advisory_lock({JOB_KEY})"
 SESSION_CLAIMED = """
 SELECT j.id, body, headers, attempts, contentions, extract(epoch FROM contended_since)::float8,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from dedupworker.db.hints_sql import HINT, HINTS
+from dedupworker.db.planner_sql import RESTORE
 from dedupworker.db.shapes_sql import TRY_KEYS, json_keys
 
 NOTIFY_CHANNEL = "dedupworker_jobs"
@@ -45,7 +46,8 @@ _JOB_FREE = f"""CASE
 # flight costs no look-up), the row locked in a LATERAL. In the WHERE clause of one `ORDER BY
 # ... LIMIT 1` scan, a sequential scan and a sort (planned for a small analyzed queue) tried
 # them on every ready row: one claim held the whole queue's keys. At most CLAIM_CANDIDATES
-# jobs in flight at the head are passed over.
+# jobs in flight at the head are passed over. Planned under the settings a worker's connection
+# is pinned to (planner_sql.PIN), whose own the claim gives back (planner_sql.RESTORE).
 CLAIM_CANDIDATES = 10_000
 LATE = "interval '20 milliseconds'"
 _CLAIM_LOCKING = f"""
@@ -71,6 +73,7 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
              coalesce(entity, {{hint}}) AS entity
       FROM claimed
       OFFSET 0) AS claimed
+WHERE {RESTORE}
 """
 
 # The same, passing over jobs whose given (or hinted: the last two parameters, as in
@@ -106,6 +109,7 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
              coalesce(entity, {{hint}}) AS entity
       FROM claimed
       OFFSET 0) AS claimed
+WHERE {RESTORE}
 """
 
 _LOCKS = {
@@ -312,25 +316,8 @@ BATCH_CLAIM_SHARED = {
     )
     for mode, lock in _LOCKS.items()
 }
-# The claim's WHERE clause takes locks: it must be evaluated row by row along the ready index,
-# only until the batch is full. A plan that filters every ready row first (a bitmap scan and a
-# sort, which the planner picks for a table it has no statistics of yet) would lock them all
-# (and run out of lock table). The claim is planned with those two off, for it alone, and its
-# generic plan is kept: left to choose, PostgreSQL plans the prepared claim afresh at every
-# execution (its generic plan's estimate for `LIMIT $n` is worse than the custom plans'), which
-# was a tenth of the server's time in a drain (pg_stat_statements: 64 µs of planning per
-# 100-job claim, for the same plan along the ready index).
-BATCH_CLAIM_PLAN = (
-    "SELECT set_config('enable_bitmapscan', 'off', true),"
-    " set_config('enable_seqscan', 'off', true),"
-    " set_config('plan_cache_mode', 'force_generic_plan', true)"
-)
-# Back to the session's values for the handler's statements.
-BATCH_CLAIM_PLAN_RESET = (
-    "RESET enable_bitmapscan",
-    "RESET enable_seqscan",
-    "RESET plan_cache_mode",
-)
+# The batch claim runs under planner_sql.PLAN_LOCAL (its WHERE clause takes locks: it must be
+# evaluated row by row along the ready index, only until the batch is full).
 
 # Every entity of a batch locked in one statement (keys.lock_key's keys, from
 # keys.session_key's columns: the int4 key, or the text PostgreSQL hashes): the ordinals of

@@ -1,10 +1,12 @@
 """Every claim statement of every engine keeps a plan that reads about what it claims, whatever
 the planner's statistics say: on a queue filled since it was created (never analyzed), on one
-filled right after an ANALYZE saw it empty (a burst), and on one whose head was just deleted
-(no vacuum since). Each statement is planned both ways PostgreSQL may run a prepared statement
-(a custom plan for its parameters, and the generic plan it switches to after five executions),
-and EXPLAIN ANALYZE counts the jobs rows it read: a sequential scan of the jobs table, or a scan
-of the whole ready index, fails it."""
+filled right after an ANALYZE saw it empty (a burst), on one whose head was just deleted (no
+vacuum since), and on one with few jobs ready in a ready index a burst made big (an ordered
+queue's heads among the jobs waiting behind them). Each statement is planned both ways
+PostgreSQL may run a prepared statement (a custom plan for its parameters, and the generic plan
+it switches to after five executions), under the planner settings its engine gives it
+(db/planner_sql.py), and EXPLAIN ANALYZE counts the jobs rows it read: a sequential scan of the
+jobs table, or a scan of the whole ready index, fails it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import psycopg
 import pytest
 
 from dedupworker import enqueue
-from dedupworker.db import session_sql, sql
+from dedupworker.db import planner_sql, session_sql, sql
 from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.transports.postgres import session as session_claims
 from dedupworker.transports.postgres.hints import pattern_for
@@ -62,7 +64,7 @@ def bloated(conn: psycopg.Connection[Any]) -> list[int]:
     """A burst that came and went (its ready index entries vacuumed away, the index as big as
     it grew), then a full queue with few jobs ready: an ordered queue's heads among the jobs
     waiting behind them."""
-    enqueue(conn, "burst", ({"entity": i} for i in range(2 * JOBS)))
+    enqueue(conn, "burst", ({"entity": i} for i in range(5 * JOBS)))
     conn.execute("DELETE FROM dedupworker.jobs WHERE queue = 'burst'")
     conn.execute("VACUUM dedupworker.jobs")
     ids = _fill(conn)
@@ -86,41 +88,43 @@ STATES: dict[str, Callable[[psycopg.Connection[Any]], list[int]]] = {
 Claim = tuple[str, Callable[["Ready"], tuple[Any, ...]], tuple[str, ...], int]
 BATCH = 100
 CANDIDATES = session_claims.CANDIDATES_MIN
+# The per-message claims run on sessions pinned to these (db/connect.py, planner_sql.PIN).
+PINNED = (planner_sql.PLAN_LOCAL,)
 CLAIMS: dict[str, Claim] = {
     "CLAIM_LOCKING int4": (
         sql.CLAIM_LOCKING["int4"],
         lambda ids: (QUEUE, None, NS, NS, NS, None),
-        (),
+        PINNED,
         10,
     ),
     "CLAIM_LOCKING int4, from a cursor": (
         sql.CLAIM_LOCKING["int4"],
         lambda ids: (QUEUE, ids.cursor, NS, NS, NS, None),
-        (),
+        PINNED,
         10,
     ),
     "CLAIM_LOCKING int4, from a cursor, with an entity hint": (
         sql.CLAIM_LOCKING["int4"],
         lambda ids: (QUEUE, ids.cursor, NS, NS, NS, '"entity"'),
-        (),
+        PINNED,
         10,
     ),
     "CLAIM_LOCKING hash64": (
         sql.CLAIM_LOCKING["hash64"],
         lambda ids: (QUEUE, None, NS, None),
-        (),
+        PINNED,
         10,
     ),
     "CLAIM_SKIPPING int4": (
         sql.CLAIM_SKIPPING["int4"],
         lambda ids: (QUEUE, NS, NS, NS, None, None),
-        (),
+        PINNED,
         3 * sql.CLAIM_WINDOW,
     ),
     "CLAIM_SKIPPING int4, with an entity hint": (
         sql.CLAIM_SKIPPING["int4"],
         lambda ids: (QUEUE, NS, NS, NS, '"entity"', '"entity"'),
-        (),
+        PINNED,
         3 * sql.CLAIM_WINDOW,
     ),
     "CLAIM_LOCKING shaped (a handler of several entities), with entity hints": (
@@ -131,7 +135,7 @@ CLAIMS: dict[str, Claim] = {
             *try_keys_params(NS, False, 1, False),
             pattern_for(("entity", "other")),
         ),
-        (),
+        PINNED,
         10,
     ),
     "CLAIM_SKIPPING shaped (entity_limit 3), with an entity hint": (
@@ -141,32 +145,32 @@ CLAIMS: dict[str, Claim] = {
             *try_keys_params(NS, False, 3, False),
             *[pattern_for(("entity",))] * 2,
         ),
-        (),
+        PINNED,
         3 * sql.CLAIM_WINDOW,
     ),
     "BATCH_CLAIM int4": (
         sql.BATCH_CLAIM["int4"],
         lambda ids: (QUEUE, None, NS, NS, NS, BATCH),
-        (sql.BATCH_CLAIM_PLAN,),
+        (planner_sql.PLAN_LOCAL,),
         3 * BATCH,
     ),
     "BATCH_CLAIM_OPEN (a shaped handler's, its batch locked whole after it)": (
         sql.BATCH_CLAIM_OPEN,
         lambda ids: (QUEUE, None, BATCH),
-        (sql.BATCH_CLAIM_PLAN,),
+        (planner_sql.PLAN_LOCAL,),
         3 * BATCH,
     ),
     "BATCH_CLAIM_SHARED int4": (
         sql.BATCH_CLAIM_SHARED["int4"],
         lambda ids: (QUEUE, BATCH * 4, 8, NS, NS, NS, QUEUE, None, BATCH),
-        (sql.BATCH_CLAIM_PLAN,),
+        (planner_sql.PLAN_LOCAL,),
         3 * BATCH * 4,
     ),
     "SESSION_CANDIDATES": (
         session_sql.SESSION_CANDIDATES,
         # the first 500 ready jobs in hand already, passed over
         lambda ids: (None, QUEUE, ids[:500], [], CANDIDATES, [], [], 2),
-        (session_sql.SESSION_CANDIDATES_PLAN,),
+        (planner_sql.PLAN_LOCAL,),
         3 * (CANDIDATES + 500),
     ),
     "SESSION_CANDIDATES, with an entity hint": (
@@ -182,7 +186,7 @@ CLAIMS: dict[str, Claim] = {
             [1] * 100,
             2,
         ),
-        (session_sql.SESSION_CANDIDATES_PLAN,),
+        (planner_sql.PLAN_LOCAL,),
         3 * (CANDIDATES + 500 + CANDIDATES // 4),
     ),
     "SESSION_CLAIMED": (session_sql.SESSION_CLAIMED, lambda ids: (ids[1000:1500],), (), 3 * 500),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dedupworker.db import sql
+from dedupworker.db import planner_sql, sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import give_back_broken
 from dedupworker.db.rows import Result
@@ -122,10 +122,10 @@ class ClaimedBatches(ClaimsAhead):
         """Queue a batch's start right after the statement that opens its transaction (BEGIN,
         or the last one's COMMIT AND CHAIN): the claim, planned along the ready index, the
         handler's timeout and, while batches come with their entities given, its savepoint."""
-        batch.execute(sql.BATCH_CLAIM_PLAN)
+        batch.execute(planner_sql.PLAN_LOCAL, ())
         rows, locking = self._claim_rows(batch, size)
-        for reset in sql.BATCH_CLAIM_PLAN_RESET:
-            batch.execute(reset)
+        for reset in planner_sql.PLAN_RESET:
+            batch.execute(reset, ())
         if self.statements.timeout is not None:
             timeout = self.statements.timeout
             batch.execute(sql.HANDLER_TIMEOUT, (timeout, timeout))

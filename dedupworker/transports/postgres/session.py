@@ -16,7 +16,7 @@ import functools
 import json
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dedupworker.db import session_sql
+from dedupworker.db import planner_sql, session_sql
 from dedupworker.decide.keys import normalize_entity
 from dedupworker.decide.outcomes import Verdict
 from dedupworker.decide.settle import carry_out
@@ -48,10 +48,10 @@ async def _candidates(
     conn: psycopg.AsyncConnection[Any], params: tuple[Any, ...]
 ) -> dict[int, str | None]:
     """SESSION_CANDIDATES' jobs and their entities, read in one round trip, in a transaction
-    that plans it along the ready index (session_sql.SESSION_CANDIDATES_PLAN)."""
+    that plans it along the ready index (planner_sql.PLAN_LOCAL)."""
     async with conn.pipeline():
         await conn.execute("BEGIN")
-        await conn.execute(session_sql.SESSION_CANDIDATES_PLAN)
+        await conn.execute(planner_sql.PLAN_LOCAL)
         cursor = await conn.execute(session_sql.SESSION_CANDIDATES, params)
         await conn.execute("COMMIT")
     return dict(await cursor.fetchall())

@@ -1,0 +1,58 @@
+"""The planner settings the claims run under: along the ready index, one generic plan per
+connection, whatever the statistics say (tests/postgres/test_claim_plans.py).
+
+A claim's candidates must be read row by row along the ready index, only as far as the claim
+needs. Left to choose, PostgreSQL sometimes plans otherwise:
+- a bitmap scan and a sort on a table it has no statistics of yet (a batch claim then locked
+  every ready row and ran out of lock table);
+- a sequential scan of the whole table and a sort once the ready index has grown big with few
+  jobs ready in it (after a burst that came and went, an ordered queue's heads among the jobs
+  waiting behind them), for custom and generic plans alike: the per-message claim read all
+  20,000 rows of the test's table for one job;
+- a custom plan at every execution when its statistics make the generic plan look dearer: an
+  ordered queue's per-message claim was planned afresh at three executions in four (139 µs
+  of planning per claim, four times its execution: the hot ordered drain's server CPU per job
+  doubled), the batch claim at every one (64 µs per 100-job claim).
+
+So the claims run with bitmap and sequential scans off and the generic plan forced, and the
+handler's statements with the session's own settings:
+- the per-message claims, on the worker's own connections (not behind a pooler): the
+  connection is pinned to those settings for the session once, when it opens (PIN, saving
+  the session's own values in SAVED), and each claim gives them back for the rest of its
+  transaction in its own WHERE clause (RESTORE): no statement of their own, every message;
+- the batch claim and the session-lock engine's candidates: set for the transaction before
+  the claim (PLAN_LOCAL), reset after it (PLAN_RESET), a batch or a read of many jobs each.
+Behind a transaction pooler a session is not the worker's to pin: there the per-message claims
+run with the session's settings.
+"""
+
+from __future__ import annotations
+
+# (setting, the claims' value)
+SETTINGS = (
+    ("enable_bitmapscan", "off"),
+    ("enable_seqscan", "off"),
+    ("plan_cache_mode", "force_generic_plan"),
+)
+# Where a pinned session keeps its own values (space-separated, in the order of SETTINGS).
+SAVED = "dedupworker.planner"
+
+_SAVE = ", ' ', ".join(f"current_setting('{name}')" for name, _ in SETTINGS)
+PIN = f"SELECT set_config('{SAVED}', concat({_SAVE}), false), " + ", ".join(
+    f"set_config('{name}', '{value}', false)" for name, value in SETTINGS
+)
+
+# A claim's WHERE clause: true, and on a pinned session its own values back until the end of
+# the transaction (on another, SAVED is unset or empty: nothing). An uncorrelated sub-select:
+# evaluated once, when the claim has a row to return.
+_GIVE_BACK = " || ".join(
+    f"set_config('{name}', split_part(saved, ' ', {number}), true)"
+    for number, (name, _) in enumerate(SETTINGS, start=1)
+)
+RESTORE = f"""(SELECT saved IS NULL OR ({_GIVE_BACK}) IS NOT NULL
+        FROM (SELECT nullif(current_setting('{SAVED}', true), '') AS saved) AS session)"""
+
+PLAN_LOCAL = "SELECT " + ", ".join(
+    f"set_config('{name}', '{value}', true)" for name, value in SETTINGS
+)
+PLAN_RESET = tuple(f"RESET {name}" for name, _ in SETTINGS)

@@ -1,0 +1,109 @@
+"""The per-message and batch claims run under the planner settings db/planner_sql.py gives them,
+and the handler under the session's own, against the real PostgreSQL: the claims' prepared
+statements get their generic plan from the first execution on, never a custom plan (left to
+choose, PostgreSQL plans a prepared statement afresh at its first five executions, and at every
+one after them when its statistics make the generic plan look dearer), while the handler, in
+the same transaction, sees the settings its database gave the session: here plan_cache_mode
+'force_custom_plan' (ALTER DATABASE), which no claim would have kept."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from dedupworker import enqueue
+from dedupworker.config import WorkerConfig
+from dedupworker.db.connect import open_pool
+from dedupworker.decide.outcomes import SUCCEEDED
+from dedupworker.transports.postgres import batch as batches
+from dedupworker.transports.postgres.queue import PostgresTransport
+from dedupworker.transports.postgres.transaction import ClaimedTransactions
+from tests.postgres.test_batch_cursor import ByBody as ByBodyBatch
+from tests.postgres.test_transaction_cursor import ByBody
+
+pytestmark = pytest.mark.postgres
+
+QUEUE = "replanning"
+CLAIMS = 12  # more than the five custom plans PostgreSQL would make first
+THE_DATABASES = ("force_custom_plan", "on", "on")  # plan_cache_mode, enable_seqscan, _bitmapscan
+# The claims prepared on a connection: how often each was planned, both ways.
+PLANS = """
+SELECT generic_plans, custom_plans FROM pg_prepared_statements
+WHERE statement LIKE '%dedupworker.jobs%' AND statement LIKE '%SKIP LOCKED%'
+"""
+SETTINGS = """
+SELECT current_setting('plan_cache_mode'), current_setting('enable_seqscan'),
+       current_setting('enable_bitmapscan')
+"""
+
+
+@pytest.fixture
+def transport(dsn: str, conn: psycopg.Connection[Any]) -> Iterator[PostgresTransport]:
+    database = conn.info.dbname
+    conn.execute(f"ALTER DATABASE {database} SET plan_cache_mode = {THE_DATABASES[0]}")
+    pool = open_pool(dsn, 1, 1)  # one connection: every claim on the same session
+    transport = PostgresTransport(WorkerConfig(dsn=dsn, queue=QUEUE), pool)
+    yield transport
+    transport.close()
+    pool.close()
+
+
+def fill(conn: psycopg.Connection[Any], count: int) -> None:
+    conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (QUEUE,))
+    enqueue(conn, QUEUE, [{"n": n} for n in range(count)])
+
+
+def seen_by_handler(on: psycopg.Connection[Any] | None) -> tuple[Any, list[Any]]:
+    """What a handler on the call's connection sees: the planner settings, and the plans of the
+    claims prepared so far."""
+    assert on is not None
+    settings = on.execute(SETTINGS).fetchone()
+    return settings, on.execute(PLANS).fetchall()
+
+
+def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_settings(
+    transport: PostgresTransport, conn: psycopg.Connection[Any]
+) -> None:
+    fill(conn, CLAIMS)
+    claims: ClaimedTransactions = transport.transactions(ByBody(), transport.pool)
+    seen = []
+    try:
+        for number in range(CLAIMS):
+            call = claims.start()
+            assert call is not None
+            seen.append(seen_by_handler(call.conn))
+            # every other claim made with the last COMMIT, the others in a round trip of their own
+            claims.settle(call, SUCCEEDED, ahead=number % 2 == 0)
+    finally:
+        claims.release()
+    assert {settings for settings, _ in seen} == {THE_DATABASES}
+    plans = seen[-1][1]
+    assert plans, "the claims were not prepared on the connection"
+    assert all(custom == 0 for _, custom in plans), plans
+    assert sum(generic for generic, _ in plans) >= CLAIMS - 1  # the last one's is still ahead
+
+
+def test_the_batch_claim_gets_no_custom_plan_and_the_handler_the_sessions_settings(
+    transport: PostgresTransport, conn: psycopg.Connection[Any]
+) -> None:
+    size = ByBodyBatch.batch_size
+    fill(conn, CLAIMS * size)
+    source = transport.batch_claims(ByBodyBatch(), transport.pool, 1)
+    assert isinstance(source, batches.ClaimedBatches)
+    seen = []
+    try:
+        for _ in range(CLAIMS):
+            call = source.start(size)
+            assert call is not None
+            seen.append(seen_by_handler(call.conn))
+            call.verdicts = [SUCCEEDED for _ in call.deliveries]
+            source.settle(call)
+    finally:
+        source.release()
+    assert {settings for settings, _ in seen} == {THE_DATABASES}
+    plans = seen[-1][1]
+    assert plans, "the claims were not prepared on the connection"
+    assert all(custom == 0 for _, custom in plans), plans
