@@ -191,7 +191,7 @@ def open_pool(
         open=False,
         name=name,
         timeout=timeout,
-        configure=functools.partial(_configure, prepare=not pgbouncer),
+        configure=functools.partial(wire.configure, prepare=not pgbouncer),
     )
     try:
         pool.open(wait=True, timeout=timeout)
@@ -199,15 +199,6 @@ def open_pool(
         pool.close(timeout=0.1)
         raise DatabaseUnavailable(_too_few_connections(dsn, size, timeout)) from None
     return pool
-
-
-def _configure(conn: psycopg.Connection[Any], *, prepare: bool) -> None:
-    """A pooled connection as it opens: its statements prepared or not (`wire.configure`) and,
-    where its session is the worker's own (no pooler), the session pinned to the claims'
-    planner settings (db/planner_sql.py: each claim gives the handler the session's own)."""
-    wire.configure(conn, prepare=prepare)
-    if prepare:
-        conn.execute(planner_sql.PIN)
 
 
 def _too_few_connections(dsn: str, size: int, timeout: float) -> str:
@@ -234,18 +225,21 @@ def _too_few_connections(dsn: str, size: int, timeout: float) -> str:
 
 
 def give_back_broken(pool: CallConnections, conn: psycopg.Connection[Any]) -> None:
-    """After an error: roll back whatever is open, and always return the connection."""
-    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+    """After an error: roll back whatever is open, unpin its planner settings
+    (planner_sql.UNPIN), and always return the connection."""
+    if not conn.closed:
         with contextlib.suppress(Exception):
-            conn.rollback()
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()
+            conn.execute(planner_sql.UNPIN)
     pool.putconn(conn)
 
 
 def give_back_rolled_back(pool: CallConnections, conn: psycopg.Connection[Any]) -> None:
-    """Roll back what `conn` holds (a claim made ahead) and return it to the pool; broken,
-    returned all the same."""
+    """Roll back what `conn` holds (a claim made ahead), unpin its planner settings
+    (planner_sql.UNPIN) and return it to the pool; broken, returned all the same."""
     try:
-        conn.execute("ROLLBACK")
+        conn.execute(f"ROLLBACK; {planner_sql.UNPIN}")
     except BaseException:
         give_back_broken(pool, conn)
         raise

@@ -16,10 +16,15 @@ needs. Left to choose, PostgreSQL sometimes plans otherwise:
 
 So the claims run with bitmap and sequential scans off and the generic plan forced, and the
 handler's statements with the session's own settings:
-- the per-message claims, on the worker's own connections (not behind a pooler): the
-  connection is pinned to those settings for the session once, when it opens (PIN, saving
-  the session's own values in SAVED), and each claim gives them back for the rest of its
-  transaction in its own WHERE clause (RESTORE): no statement of their own, every message;
+- the per-message claims, on the worker's own connections (not behind a pooler): a thread's
+  first claim on a connection pins its session to those settings (PIN, saving the session's
+  own values in SAVED), in the claim's transaction, so that its claims made ahead with each
+  COMMIT AND CHAIN are planned under them too, and each claim gives the session's own back for
+  the rest of its transaction in its WHERE clause (RESTORE): no statement of their own per
+  message. The connection is unpinned (UNPIN) before it goes back to the pool, where the
+  worker's other statements run with the session's own settings (with bitmap and sequential
+  scans off, a query the planner can only run by a sequential scan is costed past
+  jit_above_cost: the worker's housekeeping deletes took 11 to 52 ms of JIT compiling);
 - the batch claim and the session-lock engine's candidates: set for the transaction before
   the claim (PLAN_LOCAL), reset after it (PLAN_RESET), a batch or a read of many jobs each.
 Behind a transaction pooler a session is not the worker's to pin: there the per-message claims
@@ -37,9 +42,24 @@ SETTINGS = (
 # Where a pinned session keeps its own values (space-separated, in the order of SETTINGS).
 SAVED = "dedupworker.planner"
 
-_SAVE = ", ' ', ".join(f"current_setting('{name}')" for name, _ in SETTINGS)
-PIN = f"SELECT set_config('{SAVED}', concat({_SAVE}), false), " + ", ".join(
-    f"set_config('{name}', '{value}', false)" for name, value in SETTINGS
+_SESSION = f"(SELECT nullif(current_setting('{SAVED}', true), '') AS saved) AS session"
+_OWN = ", ' ', ".join(f"current_setting('{name}')" for name, _ in SETTINGS)
+# Pinned for the session (committed with the transaction it runs in); once: a pinned session
+# keeps the values it saved first (read in the FROM clause, before any is set).
+PIN = (
+    f"SELECT set_config('{SAVED}', own, false), "
+    + ", ".join(f"set_config('{name}', '{value}', false)" for name, value in SETTINGS)
+    + f" FROM (SELECT saved, concat({_OWN}) AS own FROM {_SESSION} OFFSET 0) AS pinning"
+    + " WHERE saved IS NULL"
+)
+# The session's own values back, for the session; nothing on one that is not pinned.
+UNPIN = (
+    "SELECT "
+    + ", ".join(
+        f"set_config('{name}', split_part(saved, ' ', {number}), false)"
+        for number, (name, _) in enumerate(SETTINGS, start=1)
+    )
+    + f", set_config('{SAVED}', '', false) FROM {_SESSION} WHERE saved IS NOT NULL"
 )
 
 # A claim's WHERE clause: true, and on a pinned session its own values back until the end of
@@ -49,8 +69,7 @@ _GIVE_BACK = " || ".join(
     f"set_config('{name}', split_part(saved, ' ', {number}), true)"
     for number, (name, _) in enumerate(SETTINGS, start=1)
 )
-RESTORE = f"""(SELECT saved IS NULL OR ({_GIVE_BACK}) IS NOT NULL
-        FROM (SELECT nullif(current_setting('{SAVED}', true), '') AS saved) AS session)"""
+RESTORE = f"(SELECT saved IS NULL OR ({_GIVE_BACK}) IS NOT NULL FROM {_SESSION})"
 
 PLAN_LOCAL = "SELECT " + ", ".join(
     f"set_config('{name}', '{value}', true)" for name, value in SETTINGS

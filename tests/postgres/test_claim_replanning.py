@@ -17,6 +17,7 @@ import pytest
 from dedupworker import enqueue
 from dedupworker.config import WorkerConfig
 from dedupworker.db.connect import open_pool
+from dedupworker.db.planner_sql import SAVED
 from dedupworker.decide.outcomes import SUCCEEDED
 from dedupworker.transports.postgres import batch as batches
 from dedupworker.transports.postgres.queue import PostgresTransport
@@ -51,6 +52,14 @@ def transport(dsn: str, conn: psycopg.Connection[Any]) -> Iterator[PostgresTrans
     pool.close()
 
 
+def in_the_pool(transport: PostgresTransport) -> tuple[Any, ...]:
+    """The planner settings of the pool's connection, and what a pinned session saved."""
+    with transport.pool.connection() as pooled:
+        row = pooled.execute(f"{SETTINGS}, current_setting('{SAVED}', true)").fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 def fill(conn: psycopg.Connection[Any], count: int) -> None:
     conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (QUEUE,))
     enqueue(conn, QUEUE, [{"n": n} for n in range(count)])
@@ -70,6 +79,7 @@ def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_
     fill(conn, CLAIMS)
     claims: ClaimedTransactions = transport.transactions(ByBody(), transport.pool)
     seen = []
+    pooled = []
     try:
         for number in range(CLAIMS):
             call = claims.start()
@@ -77,6 +87,8 @@ def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_
             seen.append(seen_by_handler(call.conn))
             # every other claim made with the last COMMIT, the others in a round trip of their own
             claims.settle(call, SUCCEEDED, ahead=number % 2 == 0)
+            if number % 2:
+                pooled.append(in_the_pool(transport))
     finally:
         claims.release()
     assert {settings for settings, _ in seen} == {THE_DATABASES}
@@ -84,6 +96,23 @@ def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_
     assert plans, "the claims were not prepared on the connection"
     assert all(custom == 0 for _, custom in plans), plans
     assert sum(generic for generic, _ in plans) >= CLAIMS - 1  # the last one's is still ahead
+    # given back after a settlement that made no claim ahead, and after `release`
+    assert set(pooled) | {in_the_pool(transport)} == {(*THE_DATABASES, "")}
+
+
+def test_a_claim_made_ahead_and_given_back_leaves_the_session_as_it_was(
+    transport: PostgresTransport, conn: psycopg.Connection[Any]
+) -> None:
+    fill(conn, 3)
+    claims: ClaimedTransactions = transport.transactions(ByBody(), transport.pool)
+    call = claims.start()
+    assert call is not None
+    claims.settle(call, SUCCEEDED, ahead=True)  # the next job claimed ahead, the session pinned
+    claims.release()
+    assert in_the_pool(transport) == (*THE_DATABASES, "")
+    again = claims.start()  # the job claimed ahead was given back, not lost
+    assert again is not None
+    claims.settle(again, SUCCEEDED, ahead=False)
 
 
 def test_the_batch_claim_gets_no_custom_plan_and_the_handler_the_sessions_settings(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dedupworker.transport import Transport
 
 if TYPE_CHECKING:
+    from dedupworker.config import WorkerConfig
     from dedupworker.db.sql import ClaimLock
     from dedupworker.db.wire import Executor, Rows
     from dedupworker.transport import Delivery
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 class Jobs(Transport, Protocol):
     queue: str  # the queue's name
     ordered: bool  # declared ordered (docs/order.md): its deliveries know their lines
+    config: WorkerConfig  # its worker's settings (behind a transaction pooler: `pgbouncer`)
 
     @property
     def paused(self) -> str | None:

@@ -3,11 +3,14 @@ job commit together, so a crash anywhere rolls the claim back and the job is sim
 
 Round trips per message, each a `dedupworker.db.wire.Batch` (libpq pipeline, prepared statements):
 
-1. BEGIN + claim (+ timeout) (+ SAVEPOINT), unless the thread's last COMMIT carried the claim;
+1. BEGIN + planner_sql.PIN + claim (+ timeout) (+ SAVEPOINT), unless the thread's last COMMIT
+   carried the claim (the claims are planned under the settings PIN gives the session, and
+   give the handler the session's own back: db/planner_sql.py);
 2. lock + SAVEPOINT (+ ledger look-up), unless the claim took the lock of the entity given at
    enqueue (then nothing, or the ledger look-up alone);
 3. the handler's own statements, inside the savepoint;
-4. RELEASE + settle + COMMIT AND CHAIN + the thread's next claim (see `settle`).
+4. RELEASE + settle + COMMIT AND CHAIN + the thread's next claim (see `settle`), or + UNPIN +
+   COMMIT when the connection goes back to the pool.
 
 The handler's savepoint is always opened after the entity's lock: rolling a failed handler's
 writes back must not release the lock. Pool connections are in autocommit mode; BEGIN and
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 
-from dedupworker.db import sql
+from dedupworker.db import planner_sql, sql
 from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.shapes_sql import try_keys_params
@@ -87,6 +90,9 @@ class ClaimedTransactions(ClaimsAhead):
         self._after_settle = has_after_settle(handler)
         self._thread = _Thread()
         self._hints = EntityHints()
+        # A thread's claims pin their connection's planner settings (db/planner_sql.py), but
+        # not behind a transaction pooler, where the session is not the worker's.
+        self._pins = not queue.config.pgbouncer
 
     def start(self) -> Claimed | None:
         """The job claimed ahead by this thread's last COMMIT, or one claimed now; nothing
@@ -106,7 +112,7 @@ class ClaimedTransactions(ClaimsAhead):
                 claim = self._start(conn, whole=True, rollback=True)
                 delivery = self._delivery(claim)
             if delivery is None:
-                conn.execute("ROLLBACK")
+                conn.execute(f"ROLLBACK; {planner_sql.UNPIN}" if self._pins else "ROLLBACK")
         except BaseException:
             give_back_broken(self.pool, conn)
             raise
@@ -175,6 +181,8 @@ class ClaimedTransactions(ClaimsAhead):
             settle.tail()  # the next claim: its errors are its own, not this message's
             next_claim = self._claim(settle)
         else:
+            if self._pins:
+                settle.execute(planner_sql.UNPIN, ())  # back to the pool as it came
             settle.execute("COMMIT")
         settle.run()
         call.conn = None
@@ -189,6 +197,8 @@ class ClaimedTransactions(ClaimsAhead):
         """The start of a message in a round trip of its own (no claim was made ahead)."""
         start = Batch(conn)
         start.execute("ROLLBACK AND CHAIN" if rollback else "BEGIN")
+        if self._pins:
+            start.execute(planner_sql.PIN, ())  # kept by the claims made ahead on it
         claim = self._claim(start, whole=whole)
         start.run()
         return claim
