@@ -88,8 +88,12 @@ STATES: dict[str, Callable[[psycopg.Connection[Any]], list[int]]] = {
 Claim = tuple[str, Callable[["Ready"], tuple[Any, ...]], tuple[str, ...], int]
 BATCH = 100
 CANDIDATES = session_claims.CANDIDATES_MIN
-# The per-message claims run on sessions pinned to these (db/connect.py, planner_sql.PIN).
-PINNED = (planner_sql.PLAN_LOCAL,)
+# The per-message claims run on sessions pinned to these where the ready index is at risk
+# (planner_sql.PIN, AT_RISK), with the session's own elsewhere: `explain` gives them either.
+PINNED = (
+    "SELECT "
+    + ", ".join(f"set_config('{name}', '{value}', true)" for name, value in planner_sql.SETTINGS),
+)
 CLAIMS: dict[str, Claim] = {
     "CLAIM_LOCKING int4": (
         sql.CLAIM_LOCKING["int4"],
@@ -207,6 +211,7 @@ class Ready(list[int]):
     """The ready jobs' ids, oldest first, and a cursor halfway along them (a claim's)."""
 
     cursor: str
+    at_risk: bool  # planner_sql.AT_RISK: the per-message claims run pinned
 
 
 def ready_jobs(conn: psycopg.Connection[Any], ids: list[int]) -> Ready:
@@ -217,6 +222,8 @@ def ready_jobs(conn: psycopg.Connection[Any], ids: list[int]) -> Ready:
     ).fetchone()
     assert row is not None
     ready.cursor = row[0]
+    risk = conn.execute(f"SELECT {planner_sql.AT_RISK}").fetchone()
+    ready.at_risk = bool(risk and risk[0])
     return ready
 
 
@@ -224,6 +231,8 @@ def explain(
     conn: psycopg.Connection[Any], claim: Claim, ready: Ready, cache_mode: str
 ) -> list[tuple[str, int]]:
     query, params, setup, _ = claim
+    if setup == PINNED and not ready.at_risk:
+        setup = ()  # the worker pins nothing there
     with conn.transaction(force_rollback=True):
         for statement in setup:
             conn.execute(statement)

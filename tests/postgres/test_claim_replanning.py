@@ -17,13 +17,14 @@ import pytest
 from dedupworker import enqueue
 from dedupworker.config import WorkerConfig
 from dedupworker.db.connect import open_pool
-from dedupworker.db.planner_sql import SAVED
+from dedupworker.db.planner_sql import AT_RISK, SAVED
 from dedupworker.decide.outcomes import SUCCEEDED
 from dedupworker.transports.postgres import batch as batches
 from dedupworker.transports.postgres.queue import PostgresTransport
 from dedupworker.transports.postgres.transaction import ClaimedTransactions
 from tests.postgres.test_batch_cursor import ByBody as ByBodyBatch
 from tests.postgres.test_transaction_cursor import ByBody
+from tests.support.checked_calls import scalar
 
 pytestmark = pytest.mark.postgres
 
@@ -61,8 +62,14 @@ def in_the_pool(transport: PostgresTransport) -> tuple[Any, ...]:
 
 
 def fill(conn: psycopg.Connection[Any], count: int) -> None:
-    conn.execute("DELETE FROM dedupworker.jobs WHERE queue = %s", (QUEUE,))
+    """`count` jobs, after a burst that came and went: a ready index the planner misreads
+    (planner_sql.AT_RISK)."""
+    conn.execute("DELETE FROM dedupworker.jobs")
+    enqueue(conn, "burst", [{"n": n} for n in range(5_000)])
+    conn.execute("DELETE FROM dedupworker.jobs WHERE queue = 'burst'")
+    conn.execute("VACUUM dedupworker.jobs")
     enqueue(conn, QUEUE, [{"n": n} for n in range(count)])
+    assert scalar(conn, f"SELECT {AT_RISK}")
 
 
 def seen_by_handler(on: psycopg.Connection[Any] | None) -> tuple[Any, list[Any]]:
@@ -136,3 +143,22 @@ def test_the_batch_claim_gets_no_custom_plan_and_the_handler_the_sessions_settin
     plans = seen[-1][1]
     assert plans, "the claims were not prepared on the connection"
     assert all(custom == 0 for _, custom in plans), plans
+
+
+def test_on_a_ready_index_the_planner_reads_right_the_claims_pin_nothing(
+    transport: PostgresTransport, conn: psycopg.Connection[Any]
+) -> None:
+    enqueue(conn, QUEUE, [{"n": n} for n in range(1_000)])
+    conn.execute("VACUUM ANALYZE dedupworker.jobs")
+    assert not scalar(conn, f"SELECT {AT_RISK}")
+    claims: ClaimedTransactions = transport.transactions(ByBody(), transport.pool)
+    try:
+        for number in range(4):
+            call = claims.start()
+            assert call is not None
+            assert call.conn is not None
+            # no setting changed in the claim's transaction: nothing saved, nothing given back
+            assert scalar(call.conn, f"SELECT current_setting('{SAVED}', true)") is None
+            claims.settle(call, SUCCEEDED, ahead=number % 2 == 0)
+    finally:
+        claims.release()
