@@ -14,17 +14,17 @@ needs. Left to choose, PostgreSQL sometimes plans otherwise:
   of planning per claim, four times its execution: the hot ordered drain's server CPU per job
   doubled), the batch claim at every one (64 µs per 100-job claim).
 
-So the claims run with bitmap and sequential scans off and the generic plan forced, and the
-handler's statements with the session's own settings:
+So the claims run with sequential scans off (and the batch's bitmap scans) and the generic
+plan forced, and the handler's statements with the session's own settings:
 - the per-message claims, on the worker's own connections (not behind a pooler), while the
   ready index is in the state that misleads the planner (AT_RISK): a thread's first claim on a
   connection pins its session to those settings (PIN, saving the session's own values in
   SAVED), in the claim's transaction, so that its claims made ahead with each
-  COMMIT AND CHAIN are planned under them too, and each claim gives the session's own back for
-  the rest of its transaction in its WHERE clause (RESTORE): no statement of their own per
-  message. The connection is unpinned (UNPIN) before it goes back to the pool, where the
-  worker's other statements run with the session's own settings (with bitmap and sequential
-  scans off, a query the planner can only run by a sequential scan is costed past
+  COMMIT AND CHAIN are planned under them too, and each claim on a pinned session gives the
+  session's own back for the rest of its transaction in its WHERE clause (RESTORE): no
+  statement of their own per message. The connection is unpinned (UNPIN) before it goes back
+  to the pool, where the worker's other statements run with the session's own settings (with
+  sequential scans off, a query the planner can only run by a sequential scan is costed past
   jit_above_cost: the worker's housekeeping deletes took 11 to 52 ms of JIT compiling);
 - the batch claim and the session-lock engine's candidates: set for the transaction before
   the claim (PLAN_LOCAL), reset after it (PLAN_RESET), a batch or a read of many jobs each.
@@ -57,13 +57,13 @@ AT_RISK = """(SELECT reltuples >= 0 AND pg_relation_size(oid)
     FROM pg_class WHERE oid = 'dedupworker.jobs_ready_idx'::regclass)"""
 # Pinned for the session (committed with the transaction it runs in), while the ready index is
 # AT_RISK; once: a pinned session keeps the values it saved first (read in the FROM clause,
-# before any is set).
-PIN = (
-    f"SELECT set_config('{SAVED}', own, false), "
-    + ", ".join(f"set_config('{name}', '{value}', false)" for name, value in SETTINGS)
-    + f" FROM (SELECT saved, concat({_OWN}) AS own FROM {_SESSION} OFFSET 0) AS pinning"
-    + f" WHERE saved IS NULL AND {AT_RISK}"
-)
+# before any is set). Its one row: whether the session is pinned now.
+_SET = " || ".join(f"set_config('{name}', '{value}', false)" for name, value in SETTINGS)
+PIN = f"""SELECT CASE WHEN saved IS NOT NULL THEN true
+            WHEN at_risk THEN (set_config('{SAVED}', own, false) || {_SET}) IS NOT NULL
+            ELSE false END
+FROM (SELECT saved, concat({_OWN}) AS own, {AT_RISK} AS at_risk FROM {_SESSION} OFFSET 0)
+    AS pinning"""
 # The session's own values back, for the session; nothing on one that is not pinned.
 UNPIN = (
     "SELECT "

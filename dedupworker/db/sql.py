@@ -46,8 +46,8 @@ _JOB_FREE = f"""CASE
 # flight costs no look-up), the row locked in a LATERAL. In the WHERE clause of one `ORDER BY
 # ... LIMIT 1` scan, a sequential scan and a sort (planned for a small analyzed queue) tried
 # them on every ready row: one claim held the whole queue's keys. At most CLAIM_CANDIDATES
-# jobs in flight at the head are passed over. Planned under the settings a worker's connection
-# is pinned to (planner_sql.PIN), whose own the claim gives back (planner_sql.RESTORE).
+# jobs in flight at the head are passed over. On a session pinned to the claims' planner
+# settings (planner_sql.PIN), CLAIM_LOCKING_RESTORING gives the session's own back.
 CLAIM_CANDIDATES = 10_000
 LATE = "interval '20 milliseconds'"
 _CLAIM_LOCKING = f"""
@@ -73,7 +73,6 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
              coalesce(entity, {{hint}}) AS entity
       FROM claimed
       OFFSET 0) AS claimed
-WHERE {RESTORE}
 """
 
 # The same, passing over jobs whose given (or hinted: the last two parameters, as in
@@ -109,7 +108,6 @@ FROM (SELECT id, body, headers, attempts, contentions, contended_since, run_at,
              coalesce(entity, {{hint}}) AS entity
       FROM claimed
       OFFSET 0) AS claimed
-WHERE {RESTORE}
 """
 
 _LOCKS = {
@@ -149,6 +147,10 @@ CLAIM_SKIPPING = {
     mode: _CLAIM_SKIPPING.format(lock=lock, job_free=_JOB_FREE, hint=_HINT_OF[mode])
     for mode, lock in _LOCKS.items()
 }
+# The same, giving a pinned session's own planner settings back for the rest of the
+# transaction (planner_sql.RESTORE): a thread's claims on a session it pinned, or may have.
+CLAIM_LOCKING_RESTORING = {mode: f"{q}WHERE {RESTORE}\n" for mode, q in CLAIM_LOCKING.items()}
+CLAIM_SKIPPING_RESTORING = {mode: f"{q}WHERE {RESTORE}\n" for mode, q in CLAIM_SKIPPING.items()}
 
 # Transaction-scoped (SET LOCAL): safe behind a transaction pooler, gone at COMMIT.
 HANDLER_TIMEOUT = """

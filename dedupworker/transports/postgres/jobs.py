@@ -32,6 +32,8 @@ class Jobs(Transport, Protocol):
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,
+        *,
+        restore: bool = False,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened."""
 

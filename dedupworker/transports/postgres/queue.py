@@ -127,18 +127,23 @@ class PostgresTransport:
         skip: bool = False,
         cursor: str | None = None,
         hint: str | None = None,
+        *,
+        restore: bool = False,
     ) -> Rows:
         """Queue the claim of one job in the transaction already opened; it tries the lock
         of the entity given at enqueue with the handler's `lock` (its mode, a key mode or
         "shaped", and that mode's parameters: `claim_lock`), and
         with `skip` passes over jobs whose given entity is locked, if it can; else it starts
         at `cursor` (a run_at its thread claimed before; None: the head). With no entity
-        given, either tries the lock of the one `hint` finds in the body (see hints.py)."""
+        given, either tries the lock of the one `hint` finds in the body (see hints.py). With
+        `restore`, it gives a pinned session its own planner settings back (planner_sql)."""
         mode, lock_params = lock
         if skip:
             params = (self.queue, *lock_params, hint, hint)
-            return batch.execute(sql.CLAIM_SKIPPING[mode], params)
-        return batch.execute(sql.CLAIM_LOCKING[mode], (self.queue, cursor, *lock_params, hint))
+            claim = sql.CLAIM_SKIPPING_RESTORING if restore else sql.CLAIM_SKIPPING
+            return batch.execute(claim[mode], params)
+        claim = sql.CLAIM_LOCKING_RESTORING if restore else sql.CLAIM_LOCKING
+        return batch.execute(claim[mode], (self.queue, cursor, *lock_params, hint))
 
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a `claim` got (its row, the claim's run_at column aside)."""

@@ -65,6 +65,9 @@ class _Thread(ClaimingThread[_Claim]):
     # which opens the savepoint after the lock, and one opened in the claim would only be
     # released there.
     savepoint_ahead = True
+    # Its connection's session is pinned to the claims' planner settings (planner_sql.PIN): its
+    # claims give the session's own back.
+    pinned = False
 
 
 class Claimed(Call):
@@ -197,10 +200,12 @@ class ClaimedTransactions(ClaimsAhead):
         """The start of a message in a round trip of its own (no claim was made ahead)."""
         start = Batch(conn)
         start.execute("ROLLBACK AND CHAIN" if rollback else "BEGIN")
-        if self._pins:
-            start.execute(planner_sql.PIN, ())  # kept by the claims made ahead on it
+        pin = start.execute(planner_sql.PIN, ()) if self._pins else None
+        self._thread.pinned = pin is not None  # until it is known: RESTORE costs little
         claim = self._claim(start, whole=whole)
         start.run()
+        # kept by the claims made ahead on the connection
+        self._thread.pinned = pin is not None and fetch_flag(pin)
         return claim
 
     def _delivery(self, claim: _Claim) -> Delivery | None:
@@ -222,7 +227,7 @@ class ClaimedTransactions(ClaimsAhead):
         skipping = not whole and thread.crowded()
         cursor = None if whole or skipping else self._thread.claim_from()
         hint = self._hints.for_claims(shaped=self._lock[0] == "shaped")
-        rows = self.queue.claim(batch, self._lock, skipping, cursor, hint)
+        rows = self.queue.claim(batch, self._lock, skipping, cursor, hint, restore=thread.pinned)
         if self._timeout is not None:
             batch.execute(sql.HANDLER_TIMEOUT, (self._timeout, self._timeout))
         savepoint = thread.savepoint_ahead
