@@ -26,6 +26,7 @@ import pytest
 from psycopg.sql import SQL, Identifier
 
 from tests.conftest import ROOT, clean_env
+from tests.support.proxy import Proxy
 
 STARTUP_SECONDS = 30.0
 LISTENING = re.compile(r"console listening on (http://\S+)")
@@ -112,6 +113,15 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, 9)
             proc.wait(timeout=10)
+
+
+@pytest.fixture
+def relay(dsn: str) -> Iterator[tuple[Proxy, str]]:
+    """A relay to the test's database that the test can cut, and the DSN through it."""
+    port = int(psycopg.conninfo.conninfo_to_dict(dsn)["port"] or 5432)
+    proxy = Proxy(port)
+    yield proxy, psycopg.conninfo.make_conninfo(dsn, port=proxy.port)
+    proxy.close()
 
 
 @pytest.fixture

@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from tests.console.conftest import Console, StartConsole
@@ -17,15 +15,6 @@ from tests.support.proxy import Proxy
 pytestmark = [pytest.mark.postgres]
 
 AWAY_SECONDS = 4.0
-
-
-@pytest.fixture
-def relay(dsn: str) -> Iterator[tuple[Proxy, str]]:
-    """A relay to the test's database that the test can cut, and the DSN through it."""
-    port = int(psycopg.conninfo.conninfo_to_dict(dsn)["port"] or 5432)
-    proxy = Proxy(port)
-    yield proxy, psycopg.conninfo.make_conninfo(dsn, port=proxy.port)
-    proxy.close()
 
 
 def status(console: Console, path: str) -> int:
