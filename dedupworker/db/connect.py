@@ -239,7 +239,7 @@ def give_back_rolled_back(pool: CallConnections, conn: psycopg.Connection[Any]) 
     """Roll back what `conn` holds (a claim made ahead), unpin its planner settings
     (planner_sql.UNPIN) and return it to the pool; broken, returned all the same."""
     try:
-        conn.execute(f"ROLLBACK; {planner_sql.UNPIN}")
+        conn.execute(planner_sql.ROLLBACK_UNPIN)
     except BaseException:
         give_back_broken(pool, conn)
         raise

@@ -73,6 +73,8 @@ UNPIN = (
     )
     + f", set_config('{SAVED}', '', false) FROM {_SESSION} WHERE saved IS NOT NULL"
 )
+# A claim made ahead given back, and the session with it (one simple query, no transaction open).
+ROLLBACK_UNPIN = f"ROLLBACK; {UNPIN}"
 
 # A claim's WHERE clause: true, and on a pinned session its own values back until the end of
 # the transaction (on another, SAVED is unset or empty: nothing). An uncorrelated sub-select:

@@ -80,6 +80,16 @@ def seen_by_handler(on: psycopg.Connection[Any] | None) -> tuple[Any, list[Any]]
     return settings, on.execute(PLANS).fetchall()
 
 
+def handlers_saw_theirs_and_no_custom_plan(seen: list[tuple[Any, list[Any]]]) -> list[Any]:
+    """Every handler saw the database's settings, and the claims prepared by the last one were
+    never planned for their parameters: those plans."""
+    assert {settings for settings, _ in seen} == {THE_DATABASES}
+    plans = seen[-1][1]
+    assert plans, "the claims were not prepared on the connection"
+    assert all(custom == 0 for _, custom in plans), plans
+    return plans
+
+
 def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_settings(
     transport: PostgresTransport, conn: psycopg.Connection[Any]
 ) -> None:
@@ -98,10 +108,7 @@ def test_the_per_message_claim_gets_no_custom_plan_and_the_handler_the_sessions_
                 pooled.append(in_the_pool(transport))
     finally:
         claims.release()
-    assert {settings for settings, _ in seen} == {THE_DATABASES}
-    plans = seen[-1][1]
-    assert plans, "the claims were not prepared on the connection"
-    assert all(custom == 0 for _, custom in plans), plans
+    plans = handlers_saw_theirs_and_no_custom_plan(seen)
     assert sum(generic for generic, _ in plans) >= CLAIMS - 1  # the last one's is still ahead
     # given back after a settlement that made no claim ahead, and after `release`
     assert set(pooled) | {in_the_pool(transport)} == {(*THE_DATABASES, "")}
@@ -139,10 +146,7 @@ def test_the_batch_claim_gets_no_custom_plan_and_the_handler_the_sessions_settin
             source.settle(call)
     finally:
         source.release()
-    assert {settings for settings, _ in seen} == {THE_DATABASES}
-    plans = seen[-1][1]
-    assert plans, "the claims were not prepared on the connection"
-    assert all(custom == 0 for _, custom in plans), plans
+    handlers_saw_theirs_and_no_custom_plan(seen)
 
 
 def test_on_a_ready_index_the_planner_reads_right_the_claims_pin_nothing(

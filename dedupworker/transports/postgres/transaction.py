@@ -115,7 +115,7 @@ class ClaimedTransactions(ClaimsAhead):
                 claim = self._start(conn, whole=True, rollback=True)
                 delivery = self._delivery(claim)
             if delivery is None:
-                conn.execute(f"ROLLBACK; {planner_sql.UNPIN}" if self._pins else "ROLLBACK")
+                conn.execute(planner_sql.ROLLBACK_UNPIN if self._pins else "ROLLBACK")
         except BaseException:
             give_back_broken(self.pool, conn)
             raise
