@@ -88,7 +88,7 @@ def explain_claim(conn: psycopg.Connection[Any], queue: str) -> str:
     with conn.transaction(force_rollback=True):
         rows = conn.execute(
             "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + sql.CLAIM_LOCKING["int4"],
-            (queue, None, 77, 77, 77, None),
+            (queue, None, 77, 77, 77, *sql.NO_HINT),
         ).fetchall()
     return "\n".join(row[0] for row in rows)
 

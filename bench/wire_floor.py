@@ -59,7 +59,7 @@ RELEASE = "RELEASE SAVEPOINT dedupworker_handler"
 
 def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
     """One thread's drain: the runner's statements for each job, until a claim finds none."""
-    claim_params = (QUEUE, None, NAMESPACE, NAMESPACE, NAMESPACE, None)
+    claim_params = (QUEUE, None, NAMESPACE, NAMESPACE, NAMESPACE, *sql.NO_HINT)
     batch = wire.Batch(conn)
     batch.execute("BEGIN")
     claim = batch.execute(CLAIM, claim_params)
@@ -81,7 +81,8 @@ def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
         batch.execute(RELEASE)
         batch.execute(sql.ACK, (row[0],))
         batch.execute("COMMIT AND CHAIN")
-        claim = batch.execute(CLAIM, (QUEUE, float(row[-1]), NAMESPACE, NAMESPACE, NAMESPACE, None))
+        cursor = float(row[-1])
+        claim = batch.execute(CLAIM, (QUEUE, cursor, NAMESPACE, NAMESPACE, NAMESPACE, *sql.NO_HINT))
         if given:
             batch.execute(SAVEPOINT)
         batch.run()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dedupworker.db.hints_sql import HINT, HINTS
+from dedupworker.db.hints_sql import HINT, HINT_PARAMS, HINTS
 from dedupworker.db.planner_sql import RESTORE
 from dedupworker.db.shapes_sql import TRY_KEYS, json_keys
 
@@ -43,7 +43,10 @@ _JOB_FREE = f"""CASE
 # (its line's head left, on an ordered queue; a late producer) is seen by the next claims.
 # Locks are tried only on the row the claim takes: the candidates (ready jobs in order) are read
 # without side effects, the job key tried on each in turn before its row is read (a job in
-# flight costs no look-up), the row locked in a LATERAL. In the WHERE clause of one `ORDER BY
+# flight costs no look-up), the row locked in a LATERAL, read where the candidate's version
+# lies (a TID scan: no second walk down the primary key; measured, 8 µs of server CPU less a
+# claim). A row updated since the claim's snapshot is passed over this time (its newer version
+# lies elsewhere), as one locked is. In the WHERE clause of one `ORDER BY
 # ... LIMIT 1` scan, a sequential scan and a sort (planned for a small analyzed queue) tried
 # them on every ready row: one claim held the whole queue's keys. At most CLAIM_CANDIDATES
 # jobs in flight at the head are passed over. On a session pinned to the claims' planner
@@ -54,15 +57,15 @@ _CLAIM_LOCKING = f"""
 WITH claimed AS (
     SELECT j.id, j.body, j.headers, j.attempts, j.contentions, j.contended_since, j.entity,
            j.run_at
-    FROM (SELECT id FROM dedupworker.jobs
+    FROM (SELECT id, ctid FROM dedupworker.jobs
           WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
             AND run_at >= least(coalesce(to_timestamp(%s::float8 - 0.001), '-infinity'),
                                 now() - {{late}})
           ORDER BY run_at, id
           LIMIT {CLAIM_CANDIDATES}) AS candidate,
          LATERAL (SELECT * FROM dedupworker.jobs
-                  WHERE jobs.id = candidate.id AND status = 'ready'
-                    AND run_at <= clock_timestamp()
+                  WHERE jobs.ctid = candidate.ctid AND jobs.id = candidate.id
+                    AND status = 'ready' AND run_at <= clock_timestamp()
                   FOR UPDATE SKIP LOCKED) AS j
     WHERE pg_try_advisory_xact_lock({job_key("candidate.id")})
     LIMIT 1
@@ -88,12 +91,12 @@ _CLAIM_SKIPPING = f"""
 WITH claimed AS (
     SELECT j.id, j.body, j.headers, j.attempts, j.contentions, j.contended_since, j.entity,
            j.run_at
-    FROM (SELECT id FROM dedupworker.jobs
+    FROM (SELECT id, ctid FROM dedupworker.jobs
           WHERE queue = %s AND status = 'ready' AND run_at <= clock_timestamp()
           ORDER BY run_at, id
           LIMIT {CLAIM_WINDOW}) AS candidate,
          LATERAL (SELECT * FROM dedupworker.jobs
-                  WHERE jobs.id = candidate.id
+                  WHERE jobs.ctid = candidate.ctid AND jobs.id = candidate.id
                     AND CASE WHEN status = 'ready' AND run_at <= clock_timestamp() THEN (
                         SELECT coalesce({{lock}}, true)
                         FROM (SELECT coalesce(jobs.entity, {{hint}}) AS entity OFFSET 0) AS hinted)
@@ -139,6 +142,9 @@ ClaimLock = Literal["int4", "hash64", "shaped"]
 # The handler's lock_namespace, once per use of it in _LOCKS[mode] (not "shaped"'s).
 LOCK_NAMESPACES: dict[ClaimLock, int] = {"int4": 3, "hash64": 1}
 _HINT_OF = {"int4": HINT, "hash64": HINT, "shaped": HINTS}
+# The parameters of one use of a mode's hint: each its field (or pattern), NULL for none.
+HINT_PARAMS_OF: dict[ClaimLock, int] = {"int4": HINT_PARAMS, "hash64": HINT_PARAMS, "shaped": 1}
+NO_HINT = (None,) * HINT_PARAMS  # an int4 or hash64 claim's hint parameters without a hint
 CLAIM_LOCKING = {
     mode: _CLAIM_LOCKING.format(lock=lock, hint=_HINT_OF[mode], late=LATE)
     for mode, lock in _LOCKS.items()

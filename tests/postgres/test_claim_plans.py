@@ -19,6 +19,7 @@ import pytest
 
 from dedupworker import enqueue
 from dedupworker.db import planner_sql, session_sql, sql
+from dedupworker.db.hints_sql import HINT_PARAMS
 from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.transports.postgres import session as session_claims
 from dedupworker.transports.postgres.hints import pattern_for
@@ -94,40 +95,43 @@ PINNED = (
     "SELECT "
     + ", ".join(f"set_config('{name}', '{value}', true)" for name, value in planner_sql.SETTINGS),
 )
+# A claim's hint parameters (hints_sql.HINT: its field, once per use): none, and a field.
+NO_HINT = (None,) * HINT_PARAMS
+HINT = ('"entity"',) * HINT_PARAMS
 CLAIMS: dict[str, Claim] = {
     "CLAIM_LOCKING int4": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, None, NS, NS, NS, None),
+        lambda ids: (QUEUE, None, NS, NS, NS, *NO_HINT),
         PINNED,
         10,
     ),
     "CLAIM_LOCKING int4, from a cursor": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, None),
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, *NO_HINT),
         PINNED,
         10,
     ),
     "CLAIM_LOCKING int4, from a cursor, with an entity hint": (
         sql.CLAIM_LOCKING["int4"],
-        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, '"entity"'),
+        lambda ids: (QUEUE, ids.cursor, NS, NS, NS, *HINT),
         PINNED,
         10,
     ),
     "CLAIM_LOCKING hash64": (
         sql.CLAIM_LOCKING["hash64"],
-        lambda ids: (QUEUE, None, NS, None),
+        lambda ids: (QUEUE, None, NS, *NO_HINT),
         PINNED,
         10,
     ),
     "CLAIM_SKIPPING int4": (
         sql.CLAIM_SKIPPING["int4"],
-        lambda ids: (QUEUE, NS, NS, NS, None, None),
+        lambda ids: (QUEUE, NS, NS, NS, *NO_HINT, *NO_HINT),
         PINNED,
         3 * sql.CLAIM_WINDOW,
     ),
     "CLAIM_SKIPPING int4, with an entity hint": (
         sql.CLAIM_SKIPPING["int4"],
-        lambda ids: (QUEUE, NS, NS, NS, '"entity"', '"entity"'),
+        lambda ids: (QUEUE, NS, NS, NS, *HINT, *HINT),
         PINNED,
         3 * sql.CLAIM_WINDOW,
     ),

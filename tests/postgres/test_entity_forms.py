@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from dedupworker.db.sql import CLAIM_LOCKING
+from dedupworker.db.sql import CLAIM_LOCKING, NO_HINT
 from dedupworker.decide.keys import lock_key
 from tests.conftest import cli
 from tests.support.acceptance import OVERLAPS, assert_each_once, scalar, worker
@@ -61,7 +61,7 @@ def test_a_string_stored_at_enqueue_by_an_older_producer_is_locked_as_its_int(
         (json.dumps({"entity": "7"}).encode(),),
     )
     with conn.transaction():
-        row = conn.execute(CLAIM_LOCKING["int4"], ("q", None, 41, 41, 41, None)).fetchone()
+        row = conn.execute(CLAIM_LOCKING["int4"], ("q", None, 41, 41, 41, *NO_HINT)).fetchone()
         assert row is not None and row[-2] is True  # the entity's lock, before the cursor
         key = lock_key(41, 7)
         held = scalar(

@@ -12,7 +12,7 @@ import pytest
 
 from dedupworker import WorkerConfig, enqueue
 from dedupworker.db.connect import open_pool
-from dedupworker.db.hints_sql import HINT, HINT_TEXT
+from dedupworker.db.hints_sql import HINT, HINT_PARAMS, HINT_TEXT
 from dedupworker.engines.transaction.engine import Runner
 from dedupworker.transports.postgres import PostgresTransport
 from dedupworker.transports.postgres.hints import LEARN_AFTER
@@ -114,7 +114,28 @@ def test_a_crowded_thread_passes_over_jobs_whose_hinted_entity_is_held(
 def test_a_hint_is_the_value_after_the_field_or_none(
     conn: psycopg.Connection[Any], body: bytes, hint: str | None
 ) -> None:
-    for found in (f"{HINT}::text", HINT_TEXT):  # as JSON (the claims' locks), as JSON text
+    # as JSON (the claims' locks: its field once per use in it), as JSON text
+    for found, uses in ((f"{HINT}::text", HINT_PARAMS), (HINT_TEXT, 1)):
         query = f"SELECT {found} FROM (SELECT %s::bytea AS body) AS jobs"
-        assert conn.execute(query, ('"entity"', body)).fetchone() == (hint,)
-        assert conn.execute(query, (None, body)).fetchone() == (None,)  # no field learned
+        assert conn.execute(query, ('"entity"',) * uses + (body,)).fetchone() == (hint,)
+        assert conn.execute(query, (None,) * uses + (body,)).fetchone() == (None,)  # no field
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"entity": 007}',  # no JSON integer: no leading zero
+        b'{"entity": "a\\tb"}',  # an escape
+        b'{"entity": "a\x01b"}',  # a control character
+        b'{"entity": "a\nb"}',
+        b'{"entity": -}',
+        b'{"entity": "unterminated',
+    ],
+)
+def test_a_claims_hint_is_never_text_that_json_refuses(
+    conn: psycopg.Connection[Any], body: bytes
+) -> None:
+    # The claims cast what they find to jsonb: a body that is not JSON makes no hint, and
+    # never an error (which would fail the claim, and every claim after it).
+    query = f"SELECT {HINT} FROM (SELECT %s::bytea AS body) AS jobs"
+    assert conn.execute(query, ('"entity"',) * HINT_PARAMS + (body,)).fetchone() == (None,)

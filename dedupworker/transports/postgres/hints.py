@@ -14,11 +14,12 @@ when it is the same entity (`PostgresTransport.given_lock`); otherwise it locks 
 a round trip of its own, as without a hint (the hint's lock, held until COMMIT, only excludes
 more). A field whose hints keep missing is dropped (`MISSES_TO_DROP` of the last
 `MISS_WINDOW`), and a handler whose entity is no field of the body stops the learning after
-`GIVE_UP_AFTER` messages. Values found: integers and strings without escapes or non-ASCII
-characters, in the body's first 8 KiB (others make no hint, and cost the round trip). With
-one field, the first `"field"` in the text must be the field itself (one that appears earlier
-as a value, or nested, makes a hint that misses or none): a string search and a short anchored
-match cost a claim about a third of an unanchored regular expression's search of the body.
+`GIVE_UP_AFTER` messages. Values found: integers (in JSON's form) and strings without escapes,
+control or non-ASCII characters, in the body's first 8 KiB (others make no hint, and cost the
+round trip). With one field, the first `"field"` in the text must be the field itself (one that
+appears earlier as a value, or nested, makes a hint that misses or none): a string search and a
+short anchored match cost a claim about a third of an unanchored regular expression's search
+of the body.
 """
 
 from __future__ import annotations

@@ -138,12 +138,13 @@ class PostgresTransport:
         given, either tries the lock of the one `hint` finds in the body (see hints.py). With
         `restore`, it gives a pinned session its own planner settings back (planner_sql)."""
         mode, lock_params = lock
+        hints = (hint,) * sql.HINT_PARAMS_OF[mode]
         if skip:
-            params = (self.queue, *lock_params, hint, hint)
+            params = (self.queue, *lock_params, *hints, *hints)
             claim = sql.CLAIM_SKIPPING_RESTORING if restore else sql.CLAIM_SKIPPING
             return batch.execute(claim[mode], params)
         claim = sql.CLAIM_LOCKING_RESTORING if restore else sql.CLAIM_LOCKING
-        return batch.execute(claim[mode], (self.queue, cursor, *lock_params, hint))
+        return batch.execute(claim[mode], (self.queue, cursor, *lock_params, *hints))
 
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a `claim` got (its row, the claim's run_at column aside)."""
