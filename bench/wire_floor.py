@@ -12,7 +12,14 @@ invocation and rounds alternating, on the same private PostgreSQL and freshly fi
   message, the entity parsed from the body with json: no handler, no outcome, no metrics, no turns;
 - floor, 1 round trip: the same over jobs enqueued with their entity (the claim takes the
   lock): [RELEASE; DELETE; COMMIT AND CHAIN; the claim + lock; SAVEPOINT];
+- floor, 1 round trip, + Python: the same with `--python-us` (default 20) of Python run
+  holding the GIL before each round trip (a loop reading the clock): what that much more of the
+  worker's own Python per message costs the threads' throughput;
 - pgbench: bench.postgres_throughput's scenario C (the database's ceiling).
+
+"cores busy" is client and server CPU per message times messages per second: how much of the
+machine's CPUs a scenario kept busy. A scenario that leaves them idle while its threads take
+turns at the GIL is bound by the time the GIL is held per message, not by the CPUs.
 
 If the floor's ratio to pgbench is far under a goal, no work on the worker's own Python can
 reach that goal with this design: the rest is the libpq calls, their system calls and the
@@ -30,6 +37,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from typing import Any
 
 import psycopg
@@ -57,8 +65,16 @@ SAVEPOINT = "SAVEPOINT dedupworker_handler"
 RELEASE = "RELEASE SAVEPOINT dedupworker_handler"
 
 
-def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
-    """One thread's drain: the runner's statements for each job, until a claim finds none."""
+def hold_the_gil(seconds: float) -> None:
+    """Python for `seconds`, holding the GIL (the clock is read without letting go of it)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def floor_loop(conn: psycopg.Connection[Any], given: bool, python_s: float = 0.0) -> int:
+    """One thread's drain: the runner's statements for each job, until a claim finds none
+    (`python_s` of Python before each round trip of a message)."""
     claim_params = (QUEUE, None, NAMESPACE, NAMESPACE, NAMESPACE, *sql.NO_HINT)
     batch = wire.Batch(conn)
     batch.execute("BEGIN")
@@ -77,6 +93,8 @@ def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
                 raise RuntimeError("an entity was locked: the entities must be distinct")
         elif not row[7]:
             raise RuntimeError("the claim did not take the given entity's lock")
+        if python_s:
+            hold_the_gil(python_s)
         batch = wire.Batch(conn)
         batch.execute(RELEASE)
         batch.execute(sql.ACK, (row[0],))
@@ -91,8 +109,8 @@ def floor_loop(conn: psycopg.Connection[Any], given: bool) -> int:
     return done
 
 
-def run_floor(dsn: str, concurrency: int, given: bool) -> Measure:
-    loop = functools.partial(floor_loop, given=given)
+def run_floor(dsn: str, concurrency: int, given: bool, python_s: float = 0.0) -> Measure:
+    loop = functools.partial(floor_loop, given=given, python_s=python_s)
     return run_threads(dsn, concurrency, loop, functools.partial(wire.configure, prepare=True))
 
 
@@ -103,7 +121,13 @@ def worker(dsn: str, ids: tuple[int, int], concurrency: int, idle_cpu: float) ->
     return measure
 
 
-SCENARIOS = ("dedupworker", "floor, 2 round trips", "floor, 1 round trip", "pgbench")
+SCENARIOS = (
+    "dedupworker",
+    "floor, 2 round trips",
+    "floor, 1 round trip",
+    "floor, 1 round trip, + Python",
+    "pgbench",
+)
 
 
 def one_round(
@@ -119,6 +143,10 @@ def one_round(
         "dedupworker": (False, lambda ids: worker(dsn, ids, c, idle_cpu)),
         "floor, 2 round trips": (False, lambda _: run_floor(dsn, c, given=False)),
         "floor, 1 round trip": (True, lambda _: run_floor(dsn, c, given=True)),
+        "floor, 1 round trip, + Python": (
+            True,
+            lambda _: run_floor(dsn, c, given=True, python_s=args.python_us / 1e6),
+        ),
         "pgbench": (
             False,
             lambda _: run_pgbench(
@@ -145,9 +173,9 @@ def report(rounds: list[dict[str, Measure]]) -> None:
 
     print(
         "| scenario | msg/s median (min..max) | / pgbench per round | median "
-        "| client CPU µs/msg | server CPU µs/msg |"
+        "| client CPU µs/msg | server CPU µs/msg | cores busy |"
     )
-    print("|---|---:|---|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for name in SCENARIOS:
         ms = [r[name] for r in rounds]
         ratios = [r[name].rate / r["pgbench"].rate for r in rounds]
@@ -156,7 +184,7 @@ def report(rounds: list[dict[str, Measure]]) -> None:
             f"| {name} | {spread([m.rate for m in ms], '{:,.0f}')} | "
             f"{', '.join(f'{x:.2f}' for x in ratios)} | {statistics.median(ratios):.2f} | "
             f"{spread([m.cpu_us for m in ms], '{:.0f}')} | "
-            f"{spread(server, '{:.0f}') if server else 'n/a'} |"
+            f"{spread(server, '{:.0f}') if server else 'n/a'} | {busy(ms)} |"
         )
     # Jobs enqueued plainly: once the worker has learned its entity hint (3 messages), one round
     # trip per message, as the 1-round-trip floor.
@@ -168,11 +196,23 @@ def report(rounds: list[dict[str, Measure]]) -> None:
     )
 
 
+def busy(measures: list[Measure]) -> str:
+    """The median round's CPUs kept busy: (client + server CPU per message) x messages/s."""
+    found = [m.rate * (m.cpu_us + m.server_us) / 1e6 for m in measures if m.server_us is not None]
+    return f"{statistics.median(found):.2f}" if found else "n/a"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--python-us",
+        type=float,
+        default=20.0,
+        help="µs of Python holding the GIL per message in the '+ Python' floor",
+    )
     args = parser.parse_args()
     print("$ " + shlex.join(["python", "-m", "bench.wire_floor", *sys.argv[1:]]), flush=True)
     server = private_postgres()
