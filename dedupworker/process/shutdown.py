@@ -69,10 +69,12 @@ class Watchdog:
             if self._armed:
                 return
             self._armed = True
-        _daemon(self._watch, WATCHDOG)
         if self.exits:
-            _daemon(self._backstop, f"{WATCHDOG}-backstop")
+            # Armed first: from the moment the watchdog's thread exists, a C call that holds
+            # the GIL for ever (and so keeps this thread from going on) is bounded too.
             _arm_frozen_exit(self.budget + REPORT_LIMIT + FROZEN_MARGIN)
+            _daemon(self._backstop, f"{WATCHDOG}-backstop")
+        _daemon(self._watch, WATCHDOG)
 
     def disarm(self) -> None:
         self._disarmed.set()
