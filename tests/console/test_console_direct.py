@@ -49,6 +49,8 @@ def test_pages_connect_directly_while_the_pool_has_no_connection_after_an_outage
         assert backend(database) not in (pooled, backend(database))  # a new one each page
         monkeypatch.undo()
         database.pool.wait(timeout=30)  # the pool's own reconnect
-        assert backend(database) != pooled  # pooled again, on a new connection
+        lent = database.pool.get_stats().get("requests_num", 0)
+        assert backend(database) != pooled  # pooled again, on a new connection ...
+        assert database.pool.get_stats().get("requests_num", 0) == lent + 1  # ... the pool's
     finally:
         database.close()
