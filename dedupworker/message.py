@@ -44,3 +44,24 @@ class Message:
     def text(self) -> str:
         """The body decoded as UTF-8. Raises UnicodeDecodeError when it is not."""
         return self.body.decode("utf-8")
+
+
+_new = object.__new__
+_SET_ID, _SET_BODY, _SET_HEADERS, _SET_ATTEMPT, _SET_TRANSPORT = (
+    Message.__dict__[name].__set__ for name in ("id", "body", "headers", "attempt", "transport")
+)
+
+
+def received(
+    id: str, body: bytes, headers: dict[str, str], attempt: int, transport: str
+) -> Message:
+    """`Message(id, body, headers, attempt, transport)` as a transport builds one per message:
+    the same frozen object, its slots filled directly (a frozen dataclass's `__init__` sets each
+    field through `object.__setattr__`: more than half of a message's construction)."""
+    message: Message = _new(Message)
+    _SET_ID(message, id)
+    _SET_BODY(message, body)
+    _SET_HEADERS(message, headers)
+    _SET_ATTEMPT(message, attempt)
+    _SET_TRANSPORT(message, transport)
+    return message

@@ -120,7 +120,11 @@ def on_bad_entity(exc: Exception, method: str = "entity_id") -> Verdict:
     )
 
 
-def identify(handler: Identifies, delivery: Delivery) -> tuple[int | str, str | None] | Verdict:
+# What `identify` says of a message: its entity and ledger key, or its verdict.
+Found = tuple[int | str, str | None] | Verdict
+
+
+def identify(handler: Identifies, delivery: Delivery) -> Found:
     """A message's entity (normalized: `7` and `"7"` are one; kept as `delivery.entity`, and
     with entity_ids() all of them as `delivery.entities`, the first as its entity) and
     its ledger key, or, when `entity_id()` or `dedup_key()` raised or gave something unusable,
@@ -139,6 +143,17 @@ def identify(handler: Identifies, delivery: Delivery) -> tuple[int | str, str | 
         return entity, handler.dedup_key(message)
     except Exception as exc:
         return on_bad_entity(exc, "entity_ids" if several else "entity_id")
+
+
+def plainly(found: Found, delivery: Delivery, taken: int | str) -> bool:
+    """What `identify` found asks for the lock of `taken` alone and no ledger look-up."""
+    return type(found) is tuple and found[1] is None and same_entity(found[0], taken, delivery)
+
+
+def same_entity(entity: int | str, taken: int | str, delivery: Delivery) -> bool:
+    """The handler's one entity (not several) is `taken`: the same value of the same type (7
+    is not "7")."""
+    return delivery.entities is None and type(entity) is type(taken) and entity == taken
 
 
 def on_wrong_line(line: int | str, entity: int | str) -> Verdict:

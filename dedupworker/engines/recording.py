@@ -83,6 +83,13 @@ class Recorder:
             for outcome in Outcome
         }
 
+    def counts_only(self) -> bool:
+        """Nothing records a call but its count (and a retry's or a dead letter's log line): no
+        /metrics served, no tracer installed, no DEBUG log."""
+        return (
+            not self.observe and tracing.installed is None and not log.isEnabledFor(logging.DEBUG)
+        )
+
     def started(self, call: Call) -> float:
         """A call begins: counted in flight, its span started and made current (a tracer
         installed); returns its start for `record`."""
@@ -133,6 +140,11 @@ class Recorder:
         level = _LOG_LEVELS.get(verdict.outcome, logging.DEBUG)
         if log.isEnabledFor(level):
             self._log(level, call, verdict, elapsed)
+
+    def succeeded(self) -> None:
+        """`record` of a call that succeeded while `counts_only`: its count, nothing else."""
+        with self.lock:
+            self.stats["succeeded"] += 1
 
     def record_batch(self, call: RecordedBatch, started: float) -> None:
         """A batch's outcomes (the batch engine): counted per message, its duration observed

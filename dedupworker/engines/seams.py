@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 class Call:
     """One message on its way through the runner, with the connection its handler runs on."""
 
-    __slots__ = ("conn", "delivery", "met_busy", "span", "turn")
+    __slots__ = ("conn", "delivery", "met_busy", "span", "taken", "turn")
 
     def __init__(self, delivery: Delivery, conn: psycopg.Connection[Any] | None) -> None:
         self.delivery = delivery
@@ -55,6 +55,9 @@ class Call:
         # The entity was locked elsewhere or running in this process when the message came.
         self.met_busy = False
         self.span: Span | None = None  # its trace span, while a tracer is installed
+        # The entity whose lock starting the message took, the handler's savepoint opened
+        # after it: if it is the handler's entity, the handler can run at once.
+        self.taken: int | str | None = None
 
     @property
     def entity(self) -> int | str | None:

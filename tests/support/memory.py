@@ -154,10 +154,18 @@ class MemoryTransactions:
         if delivery is None:
             return None
         self._ask("start", delivery.message.id)
-        return Call(delivery, FakeConnection())  # type: ignore[arg-type]
+        call = Call(delivery, FakeConnection())  # type: ignore[arg-type]
+        # {"taken": e}: starting it took the lock of e, as a postgres claim of an entity given
+        # at enqueue does (Call.taken), for the runner's at-once path
+        call.taken = delivery.message.json().get("taken")
+        return call
 
     def prelocked(self, call: Call, entity: int | str) -> bool | None:
         self._ask("prelocked", call.delivery.message.id, entity)
+        taken = call.taken
+        one = call.delivery.entities is None  # a handler of several: theirs, not one taken
+        if one and taken is not None and type(taken) is type(entity) and taken == entity:
+            return True
         return self.prelocks.get(entity)
 
     def lock(self, call: Call, key: LockKey | None, dedup_key: str | None) -> tuple[bool, bool]:

@@ -1,3 +1,4 @@
+import dataclasses
 import types
 from typing import Any
 
@@ -5,6 +6,7 @@ import pytest
 
 from dedupworker import ConfigurationError, Handler, HandlerNotFound, Message, load_handler
 from dedupworker.handler import validate_handler
+from dedupworker.message import received
 from dedupworker.process.startup import check_order
 
 
@@ -72,6 +74,16 @@ def test_message_json_and_text() -> None:
     message = Message(id="1", body='{"a": "ü"}'.encode())
     assert message.json() == {"a": "ü"}
     assert message.text() == '{"a": "ü"}'
+
+
+def test_a_received_message_is_the_message_its_fields_make_and_as_frozen() -> None:
+    fields = ("42", b'{"entity": 7}', {"h": "v"}, 3, "postgres")
+    message = received(*fields)
+    assert message == Message(*fields)
+    # every field, set (a field added to Message must be added to `received`)
+    assert [getattr(message, f.name) for f in dataclasses.fields(Message)] == list(fields)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        message.attempt = 4  # type: ignore[misc]
 
 
 class _Ordered(Handler):

@@ -17,6 +17,7 @@ Round trips per batch, each a `dedupworker.db.wire.Batch`:
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dedupworker.db import planner_sql, sql
@@ -148,13 +149,14 @@ class ClaimedBatches(ClaimsAhead):
         (BatchStatements), and lock them job by job, passing over those held elsewhere, while
         it does not (each job's lock its own subtransaction)."""
         queue, namespaces = self.queue.queue, self._namespaces
-        if self._thread.crowded():
+        now = time.monotonic()
+        if self._thread.crowded(now):
             window = size * self._threads * WINDOW_BATCHES
             ways = self._threads * SHARE_WORKERS
             self._thread.cursor = None
             params = (queue, window, ways, *namespaces, queue, None, size)
             return start.execute(self._shared, params), True
-        cursor = self._thread.claim_from()
+        cursor = self._thread.claim_from(now)
         if self._shaped and self.statements.whole_first:
             return start.execute(sql.BATCH_CLAIM_OPEN, (queue, cursor, size)), False
         return start.execute(self._claim_sql, (queue, cursor, *namespaces, size)), True

@@ -43,9 +43,9 @@ class Cursor:
     cursor: str | None = None  # the run_at it claimed last; None: the head
     from_head_at = 0.0  # when its claims last started from the head
 
-    def claim_from(self) -> str | None:
-        """Where the next claim starts: the head (None) at least once a CURSOR_SECONDS."""
-        now = time.monotonic()
+    def claim_from(self, now: float) -> str | None:
+        """Where the next claim starts: the head (None) at least once a CURSOR_SECONDS (`now`:
+        time.monotonic())."""
         if self.cursor is not None and now - self.from_head_at >= CURSOR_SECONDS:
             self.cursor = None
         if self.cursor is None:
@@ -83,8 +83,9 @@ class ClaimingThread(Cursor, threading.local, Generic[ClaimT]):
         """Its claims pass over jobs of locked entities for the next CROWDED_FOR seconds."""
         self.crowded_until = time.monotonic() + CROWDED_FOR
 
-    def crowded(self) -> bool:
-        return time.monotonic() < self.crowded_until
+    def crowded(self, now: float) -> bool:
+        """Its claims pass over jobs of locked entities (`now`: time.monotonic())."""
+        return now < self.crowded_until
 
 
 class _OnConnection(Protocol):

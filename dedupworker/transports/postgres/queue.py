@@ -18,7 +18,7 @@ from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import connection_kwargs
 from dedupworker.db.wire import Executor, Rows
 from dedupworker.decide.keys import normalize_entity
-from dedupworker.message import Message
+from dedupworker.message import received
 from dedupworker.observe import metrics
 from dedupworker.transport import Delivery, MayBeOrdered, Settlements
 from dedupworker.transports.postgres.lines import heads_leave, queue_is_ordered
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dedupworker")
 
 IN_FLIGHT_RECHECK = 0.05
+_job = tuple.__new__  # Job(...) without the frame of its __new__
 
 
 class Job(NamedTuple):
@@ -149,16 +150,16 @@ class PostgresTransport:
     def delivery(self, row: tuple[Any, ...]) -> Delivery:
         """The job a `claim` got (its row, the claim's run_at column aside)."""
         job_id, body, headers, attempts, contentions, contended_since, entity, locked, _ = row
-        message = Message(
-            id=str(job_id),
-            body=body,
-            headers={str(k): str(v) for k, v in headers.items()} if headers else {},
-            attempt=attempts + 1,
-            transport=self.name,
+        message = received(
+            str(job_id),
+            body,
+            {str(k): str(v) for k, v in headers.items()} if headers else {},
+            attempts + 1,
+            self.name,
         )
         if type(entity) is str:
             entity = normalize_entity(entity)  # "7" is the entity 7, as the claim locked it
-        job = Job(job_id, entity, locked)
+        job = _job(Job, (job_id, entity, locked))  # Job(...) without its frame
         delivery = Delivery(message, contentions, job, contended_since)
         if self.ordered:
             delivery.in_line = entity
@@ -167,10 +168,10 @@ class PostgresTransport:
     def deliveries(self, rows: list[tuple[Any, ...]], locking: bool = True) -> list[Delivery]:
         """The jobs a batch claim got (sql.BATCH_CLAIM's columns; `locking`: it locked the
         entities given at enqueue)."""
-        name, deliveries, job_of = self.name, [], tuple.__new__  # Job(...) without its frame
+        name, deliveries, job_of = self.name, [], _job
         locked = True if locking else None
         for job_id, body, headers, attempts, contentions, contended_since, given, _ in rows:
-            message = Message(
+            message = received(
                 str(job_id),
                 body,
                 {str(k): str(v) for k, v in headers.items()} if headers else {},

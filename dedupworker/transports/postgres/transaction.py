@@ -20,6 +20,7 @@ claim made ahead, whether claims pass over locked entities, whether a claim open
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
@@ -29,8 +30,9 @@ from dedupworker.db.calls import CallConnections
 from dedupworker.db.connect import fetch_flag, give_back_broken
 from dedupworker.db.shapes_sql import try_keys_params
 from dedupworker.db.wire import Batch, Executor, Rows
+from dedupworker.decide import outcomes
 from dedupworker.decide.keys import LockKey
-from dedupworker.decide.outcomes import Outcome, Verdict
+from dedupworker.decide.outcomes import SUCCEEDED, Outcome, Verdict
 from dedupworker.decide.settle import carry_out
 from dedupworker.decide.shapes import LockShape
 from dedupworker.engines.common import OPEN, has_after_settle
@@ -47,6 +49,7 @@ SAVEPOINT = "SAVEPOINT dedupworker_handler"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT dedupworker_handler"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT dedupworker_handler"
 _KEPT = (Outcome.SUCCEEDED, Outcome.DUPLICATE)
+_new = tuple.__new__  # a NamedTuple without the frame of its __new__
 
 
 class _Claim(NamedTuple):
@@ -77,6 +80,10 @@ class Claimed(Call):
         super().__init__(delivery, conn)
         self.savepoint = claim.savepoint  # the handler's savepoint is open
         self.chain = chain
+        job = delivery.receipt  # a queue.Job
+        entity = job.entity
+        if claim.savepoint and job.locked is True and (type(entity) is int or type(entity) is str):
+            self.taken = entity
 
 
 class ClaimedTransactions(ClaimsAhead):
@@ -127,9 +134,14 @@ class ClaimedTransactions(ClaimsAhead):
     def prelocked(self, call: Call, entity: int | str) -> bool | None:
         """What the claim's try of the entity given at enqueue (or hinted) says of `entity`."""
         delivery = call.delivery
-        entities = delivery.entities or (entity,)
-        ours = self.queue.given_lock(delivery, entities, self._lock[0] == "shaped")
-        self._hints.saw(delivery.message, entities, delivery.receipt.entity, ours)
+        taken = call.taken
+        if taken is not None and outcomes.same_entity(entity, taken, delivery):
+            ours: bool | None = True  # what given_lock would say of it
+            self._hints.saw(delivery.message, (entity,), taken, True)
+        else:
+            entities = delivery.entities or (entity,)
+            ours = self.queue.given_lock(delivery, entities, self._lock[0] == "shaped")
+            self._hints.saw(delivery.message, entities, delivery.receipt.entity, ours)
         self._thread.savepoint_ahead = ours is not None
         return ours
 
@@ -165,6 +177,12 @@ class ClaimedTransactions(ClaimsAhead):
         if call.met_busy:
             self._thread.crowd()
         settle = Batch(conn)
+        if verdict is SUCCEEDED and call.savepoint and not self._after_settle:
+            # The common call (the handler left the transaction open: Runner._call checked)
+            settle.execute(RELEASE_SAVEPOINT)
+            self.queue.ack(call.delivery, settle)
+            self._end(settle, call, ahead)
+            return
         # handle() ended the transaction itself (its failure says so): the settlement opens one
         # of its own, or its COMMIT AND CHAIN would fail and the message come back for ever.
         ended = conn.pgconn.transaction_status not in OPEN
@@ -178,7 +196,12 @@ class ClaimedTransactions(ClaimsAhead):
         if self._after_settle:
             settle.run()
             self.handler.after_settle(call.delivery.message, verdict.outcome, conn)
-        next_claim = None
+        self._end(settle, call, ahead)
+
+    def _end(self, settle: Batch, call: Claimed, ahead: bool) -> None:
+        """COMMIT, with the thread's next claim if it may make one ahead (COMMIT AND CHAIN),
+        then the connection goes back to the pool or is kept with that claim."""
+        conn, next_claim = settle.conn, None
         if ahead and call.chain < AHEAD_CHAIN and self.queue.paused is None:
             settle.execute("COMMIT AND CHAIN")
             settle.tail()  # the next claim: its errors are its own, not this message's
@@ -192,7 +215,7 @@ class ClaimedTransactions(ClaimsAhead):
         if next_claim is None:
             self.pool.putconn(conn)
         else:
-            self._thread.ahead = Ahead(conn, next_claim, call.chain + 1)
+            self._thread.ahead = _new(Ahead, (conn, next_claim, call.chain + 1))
 
     def _start(
         self, conn: psycopg.Connection[Any], *, whole: bool = False, rollback: bool = False
@@ -224,8 +247,9 @@ class ClaimedTransactions(ClaimsAhead):
         takes the oldest job from the thread's cursor on, as the cheaper statement. `whole`:
         the oldest job from the head, passing nothing over."""
         thread = self._thread
-        skipping = not whole and thread.crowded()
-        cursor = None if whole or skipping else self._thread.claim_from()
+        now = time.monotonic()
+        skipping = not whole and thread.crowded(now)
+        cursor = None if whole or skipping else thread.claim_from(now)
         hint = self._hints.for_claims(shaped=self._lock[0] == "shaped")
         rows = self.queue.claim(batch, self._lock, skipping, cursor, hint, restore=thread.pinned)
         if self._timeout is not None:
@@ -233,7 +257,7 @@ class ClaimedTransactions(ClaimsAhead):
         savepoint = thread.savepoint_ahead
         if savepoint:
             batch.execute(SAVEPOINT)  # after the claim's lock
-        return _Claim(rows, skipping or cursor is not None, savepoint)
+        return _new(_Claim, (rows, skipping or cursor is not None, savepoint))
 
 
 def _end_savepoint(conn: Executor, keep: bool) -> None:
