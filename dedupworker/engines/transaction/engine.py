@@ -4,11 +4,12 @@
 open its transaction), decide (entity, local turn, lock and ledger look-up, the handler call,
 the verdict), settle (ledger record, COMMIT and the transport's ack / requeue / dead letter, in
 the order the source needs), and record. A message whose start already took its entity's lock
-goes `_at_once`: the same steps without those that would find nothing to do. How the transaction opens and closes belongs to the
-message source (`Transactions`): `dedupworker.engines.transaction.source` for transports that hand
-messages over, the postgres queue's own (`transports/postgres/transaction.py`) where the claim is
-part of the transaction. The handler runs inside that transaction on the psycopg connection: its
-`conn.transaction()` blocks are nested savepoints and its statements join the transaction. See
+goes `_at_once`: the same steps without those that would find nothing to do. How the
+transaction opens and closes belongs to the message source (`Transactions`):
+`dedupworker.engines.transaction.source` for transports that hand messages over, the postgres
+queue's own (`transports/postgres/transaction.py`) where the claim is part of the transaction.
+The handler runs inside that transaction on the psycopg connection: its `conn.transaction()`
+blocks are nested savepoints and its statements join the transaction. See
 docs/architecture.md.
 """
 
