@@ -18,8 +18,9 @@ Two figures per tree:
   with PYTHONHASHSEED fixed the count is the same from one run to the next, so a change of
   1 % shows.
 
-`--tree DIR` measures another source tree (a `git worktree` of an older commit); trees given
-twice or more are measured in turn, rounds alternating.
+`--observe` records every call as with `/metrics` served. `--tree DIR` measures another source
+tree (a `git worktree` of an older commit); trees given twice or more are measured in turn,
+rounds alternating.
 
 Run from the repository root:
     python -m bench.engine_python --tree <worktree of the commit before> --tree . --instructions
@@ -100,7 +101,7 @@ class _Pool:
         return None
 
 
-def _runner() -> Any:
+def _runner(observe: bool) -> Any:
     """A Runner of bench.noop:Noop over the postgres queue's claims, the wire faked (in the
     child, once the tree to measure is first on sys.path)."""
     import dedupworker.transports.postgres.transaction as claimed
@@ -118,13 +119,13 @@ def _runner() -> Any:
 
     claimed.Batch = _Batch  # type: ignore[attr-defined,assignment]
     config = WorkerConfig(dsn="postgresql:///unused", queue="bench")
-    return Runner(Noop(), Queue(config), _Pool(), observe=False)  # type: ignore[arg-type]
+    return Runner(Noop(), Queue(config), _Pool(), observe=observe)  # type: ignore[arg-type]
 
 
-def _step_many(messages: int, repeats: int, once: bool) -> None:
+def _step_many(messages: int, repeats: int, once: bool, observe: bool) -> None:
     """In the child: `messages` steps (`once`), or print µs per message, the best of
-    `repeats` timed runs."""
-    runner = _runner()
+    `repeats` timed runs; `observe`: as with /metrics served."""
+    runner = _runner(observe)
     for _ in range(2000):  # the hint learned, the claims made ahead
         runner.step(ahead=True)
     if once:
@@ -140,27 +141,30 @@ def _step_many(messages: int, repeats: int, once: bool) -> None:
     print(f"{best * 1e6:.3f}")
 
 
-def _child(tree: str, messages: int, once: bool = False, repeats: int = 5) -> list[str]:
+def _child(
+    tree: str, messages: int, observe: bool, once: bool = False, repeats: int = 5
+) -> list[str]:
     """This file, run with `tree` first on sys.path (its dedupworker and bench.noop)."""
-    arguments = [os.path.abspath(tree), str(messages), str(repeats), "once" if once else "time"]
+    mode = "once" if once else "time"
+    arguments = [os.path.abspath(tree), str(messages), str(repeats), mode, str(observe)]
     return [sys.executable, os.path.abspath(__file__), "--child", *arguments]
 
 
-def microseconds(tree: str, messages: int, repeats: int) -> float:
-    command = _child(tree, messages, repeats=repeats)
+def microseconds(tree: str, messages: int, repeats: int, observe: bool) -> float:
+    command = _child(tree, messages, observe, repeats=repeats)
     out = subprocess.run(command, check=False, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr.strip()}")
     return float(out.stdout)
 
 
-def instructions(tree: str, messages: int) -> float:
+def instructions(tree: str, messages: int, observe: bool) -> float:
     """Instructions per message under callgrind: `messages` steps less none."""
 
     def total(steps: int) -> int:
         command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
         out = subprocess.run(
-            command + _child(tree, steps, once=True),
+            command + _child(tree, steps, observe, once=True),
             check=False,
             capture_output=True,
             text=True,
@@ -176,9 +180,9 @@ def instructions(tree: str, messages: int) -> float:
 
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
-        tree, messages, repeats, mode = sys.argv[2:]
+        tree, messages, repeats, mode, observe = sys.argv[2:]
         sys.path[0] = tree  # not this file's folder: the tree's own
-        _step_many(int(messages), int(repeats), mode == "once")
+        _step_many(int(messages), int(repeats), mode == "once", observe == "True")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", help="a source tree (default: this one)")
@@ -187,6 +191,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--instructions", action="store_true", help="count them (valgrind)")
     parser.add_argument("--instruction-messages", type=int, default=6000)
+    parser.add_argument(
+        "--observe", action="store_true", help="as with /metrics served (Prometheus recording)"
+    )
     args = parser.parse_args()
     trees = args.tree or ["."]
     if args.instructions and shutil.which("valgrind") is None:
@@ -194,14 +201,16 @@ def main() -> int:
     times: dict[str, list[float]] = {tree: [] for tree in trees}
     for _ in range(args.rounds):
         for tree in trees:
-            times[tree].append(microseconds(tree, args.messages, args.repeats))
+            times[tree].append(microseconds(tree, args.messages, args.repeats, args.observe))
     print(f"$ python -m bench.engine_python {' '.join(sys.argv[1:])}")
     print("| tree | µs per message, per round | median | instructions per message |")
     print("|---|---|---:|---:|")
     for tree in trees:
         rounds = ", ".join(f"{t:.2f}" for t in times[tree])
         counted = (
-            f"{instructions(tree, args.instruction_messages):,.0f}" if args.instructions else ""
+            f"{instructions(tree, args.instruction_messages, args.observe):,.0f}"
+            if args.instructions
+            else ""
         )
         print(f"| {tree} | {rounds} | {statistics.median(times[tree]):.2f} | {counted} |")
     if len(trees) > 1:
