@@ -417,7 +417,7 @@ def crowded(runner: Runner, seconds: float = 60) -> None:
 
 def thread_state(runner: Runner) -> Any:
     """What this thread's messages leave for its next claim (claims.ClaimedTransactions)."""
-    return runner.transactions._thread  # type: ignore[attr-defined]
+    return runner.transactions.mine()  # type: ignore[attr-defined]
 
 
 def remaining(conn: psycopg.Connection[Any]) -> list[int]:

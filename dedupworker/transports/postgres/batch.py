@@ -84,6 +84,9 @@ class ClaimedBatches(ClaimsAhead):
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = has_after_settle(handler)
 
+    def mine(self) -> _Thread:
+        return self._thread
+
     def start(self, size: int) -> BatchCall | None:
         """The batch claimed ahead by this thread's last COMMIT, or one claimed now; nothing
         while the queue is paused (a batch claimed ahead goes back)."""

@@ -39,7 +39,13 @@ from dedupworker.engines.common import OPEN, has_after_settle
 from dedupworker.engines.seams import Call
 from dedupworker.handler import Handler
 from dedupworker.transport import Delivery
-from dedupworker.transports.postgres.cursor import AHEAD_CHAIN, Ahead, ClaimingThread, ClaimsAhead
+from dedupworker.transports.postgres.cursor import (
+    AHEAD_CHAIN,
+    Ahead,
+    ClaimsAhead,
+    PerThread,
+    ThreadState,
+)
 from dedupworker.transports.postgres.hints import EntityHints
 
 if TYPE_CHECKING:
@@ -60,7 +66,7 @@ class _Claim(NamedTuple):
     savepoint: bool  # it opened the handler's savepoint
 
 
-class _Thread(ClaimingThread[_Claim]):
+class _Thread(ThreadState[_Claim]):
     """What one thread's message leaves for the same thread's next claim."""
 
     # Claims open the savepoint while messages come with their entity given: their claim took
@@ -98,11 +104,14 @@ class ClaimedTransactions(ClaimsAhead):
         self._timeout = handler.timeout_setting
         # The default hook does nothing: skip the extra round trip it would need.
         self._after_settle = has_after_settle(handler)
-        self._thread = _Thread()
+        self._threads = PerThread(_Thread)
         self._hints = EntityHints()
         # A thread's claims pin their connection's planner settings (db/planner_sql.py), but
         # not behind a transaction pooler, where the session is not the worker's.
         self._pins = not queue.config.pgbouncer
+
+    def mine(self) -> _Thread:
+        return self._threads.state
 
     def start(self) -> Claimed | None:
         """The job claimed ahead by this thread's last COMMIT, or one claimed now; nothing
@@ -110,7 +119,7 @@ class ClaimedTransactions(ClaimsAhead):
         if self.queue.paused is not None:
             self.release()
             return None
-        ahead = self._thread.take_ahead()
+        ahead = self._threads.state.take_ahead()
         conn, claim, chain = (self.pool.getconn(), None, 0) if ahead is None else ahead
         try:
             delivery = None
@@ -142,7 +151,7 @@ class ClaimedTransactions(ClaimsAhead):
             entities = delivery.entities or (entity,)
             ours = self.queue.given_lock(delivery, entities, self._lock[0] == "shaped")
             self._hints.saw(delivery.message, entities, delivery.receipt.entity, ours)
-        self._thread.savepoint_ahead = ours is not None
+        self._threads.state.savepoint_ahead = ours is not None
         return ours
 
     def lock(self, call: Call, key: LockKey | None, dedup_key: str | None) -> tuple[bool, bool]:
@@ -175,7 +184,7 @@ class ClaimedTransactions(ClaimsAhead):
         assert isinstance(call, Claimed) and call.conn is not None
         conn = call.conn
         if call.met_busy:
-            self._thread.crowd()
+            self._threads.state.crowd()
         settle = Batch(conn)
         if verdict is SUCCEEDED and call.savepoint and not self._after_settle:
             # The common call (the handler left the transaction open: Runner._call checked)
@@ -215,27 +224,27 @@ class ClaimedTransactions(ClaimsAhead):
         if next_claim is None:
             self.pool.putconn(conn)
         else:
-            self._thread.ahead = _new(Ahead, (conn, next_claim, call.chain + 1))
+            self._threads.state.ahead = _new(Ahead, (conn, next_claim, call.chain + 1))
 
     def _start(
         self, conn: psycopg.Connection[Any], *, whole: bool = False, rollback: bool = False
     ) -> _Claim:
         """The start of a message in a round trip of its own (no claim was made ahead)."""
-        start = Batch(conn)
+        start, thread = Batch(conn), self._threads.state
         start.execute("ROLLBACK AND CHAIN" if rollback else "BEGIN")
         pin = start.execute(planner_sql.PIN, ()) if self._pins else None
-        self._thread.pinned = pin is not None  # until it is known: RESTORE costs little
+        thread.pinned = pin is not None  # until it is known: RESTORE costs little
         claim = self._claim(start, whole=whole)
         start.run()
         # kept by the claims made ahead on the connection
-        self._thread.pinned = pin is not None and fetch_flag(pin)
+        thread.pinned = pin is not None and fetch_flag(pin)
         return claim
 
     def _delivery(self, claim: _Claim) -> Delivery | None:
         """The job `claim` got once its batch ran (None: none was ready); the thread's cursor
         moves to it, or back to the head after a claim that found nothing."""
         row = claim.rows.fetchone()
-        self._thread.cursor = None if row is None else row[-1]
+        self._threads.state.cursor = None if row is None else row[-1]
         return None if row is None else self.queue.delivery(row)
 
     def _claim(self, batch: Batch, whole: bool = False) -> _Claim:
@@ -246,7 +255,7 @@ class ClaimedTransactions(ClaimsAhead):
         passes over jobs whose given entity is locked (see sql.CLAIM_SKIPPING); otherwise it
         takes the oldest job from the thread's cursor on, as the cheaper statement. `whole`:
         the oldest job from the head, passing nothing over."""
-        thread = self._thread
+        thread = self._threads.state
         now = time.monotonic()
         skipping = not whole and thread.crowded(now)
         cursor = None if whole or skipping else thread.claim_from(now)
